@@ -1,0 +1,116 @@
+"""The `vramguard` command: `serve` runs the appliance, `doctor` checks this computer."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import logging
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+from app import __version__
+from app.config import ConfigError, Settings, load_settings
+
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, help="TOML config file (default: the per-user "
+                        "config.toml, or VRAMGUARD_CONFIG).")
+    parser.add_argument("--model", help=Settings.model_fields["model"].description)
+    parser.add_argument("--weights", type=Path, help=Settings.model_fields["weights"].description)
+    parser.add_argument("--device", help=Settings.model_fields["device"].description)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vramguard", description="Local image "
+                                     "classification that never runs out of GPU memory.")
+    parser.add_argument("--version", action="version", version=f"vramguard {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="Run the HTTP server (no tray icon).")
+    _add_common(serve)
+    fields = Settings.model_fields
+    serve.add_argument("--host", help=fields["host"].description)
+    serve.add_argument("--port", type=int, help=fields["port"].description)
+    serve.add_argument("--max-batch-size", type=int, help=fields["max_batch_size"].description)
+    serve.add_argument("--max-wait-ms", type=float, help=fields["max_wait_ms"].description)
+    serve.add_argument("--target-latency-ms", type=float,
+                       help=fields["target_latency_ms"].description)
+    serve.add_argument("--queue-size", type=int, help=fields["queue_size"].description)
+    serve.add_argument("--request-timeout-s", type=float,
+                       help=fields["request_timeout_s"].description)
+    serve.add_argument("--cache-dir", type=Path, help=fields["cache_dir"].description)
+    serve.add_argument("--no-cache", dest="cache", action="store_const", const=False,
+                       help="Do not remember results (env VRAMGUARD_CACHE=0).")
+    serve.add_argument("--log-level", help=fields["log_level"].description)
+
+    doctor = commands.add_parser("doctor", help="Check torch, the GPU and the model.")
+    _add_common(doctor)
+    return parser
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    overrides: dict[str, Any] = {key: value for key, value in vars(args).items()
+                                 if key not in ("command", "config")}
+    return load_settings(args.config, **overrides)
+
+
+def _port_problem(host: str, port: int) -> str | None:
+    """Say why the port cannot be used, before the model spends seconds loading."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            if exc.errno in (errno.EADDRINUSE, getattr(errno, "WSAEADDRINUSE", -1)):
+                return (f"Port {port} is already in use - is vramguard already running? "
+                        f"(check http://{host}:{port}/healthz). Pick another port with "
+                        "--port N or VRAMGUARD_PORT=N.")
+            return (f"Cannot listen on {host}:{port}: {exc.strerror}. On Windows, ports can "
+                    "be reserved by the system; pick another with --port N.")
+    return None
+
+
+def serve(settings: Settings) -> int:
+    import uvicorn
+
+    from app.engine.device import DeviceError, resolve_device
+    from app.models import ModelLoadError, resolve_weights
+    from app.server import create_app
+
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.host not in LOOPBACK:
+        print(f"vramguard: WARNING: listening on {settings.host}: other computers on the "
+              "network can reach this appliance.", file=sys.stderr)
+    try:
+        resolve_device(settings.device)
+        resolve_weights(settings.model, settings.weights)
+    except (DeviceError, ModelLoadError) as exc:
+        print(f"vramguard: {exc}", file=sys.stderr)
+        return 1
+    problem = _port_problem(settings.host, settings.port)
+    if problem:
+        print(f"vramguard: {problem}", file=sys.stderr)
+        return 1
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, workers=1,
+                log_level=settings.log_level, timeout_graceful_shutdown=10)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        settings = _settings(args)
+    except ConfigError as exc:
+        print(f"vramguard: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "serve":
+        return serve(settings)
+    from app.doctor import run_doctor
+
+    return run_doctor(settings)

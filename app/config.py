@@ -1,0 +1,141 @@
+"""Every knob of vramguard in one place: its default, its doc, where it comes from.
+
+Precedence, highest first: command-line options > environment variables
+(``VRAMGUARD_<NAME>``) > the TOML file (``config.toml`` in the per-user config
+folder, or the one named by ``--config`` / ``VRAMGUARD_CONFIG``) > defaults.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Any
+
+import platformdirs
+from pydantic import ByteSize, Field, ValidationError, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+APP_NAME = "vramguard"
+ENV_PREFIX = "VRAMGUARD_"
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
+_toml_path: ContextVar[Path | None] = ContextVar("vramguard_toml_path", default=None)
+
+
+class ConfigError(Exception):
+    """A setting has a value vramguard cannot use; the message names the setting."""
+
+
+def default_config_file() -> Path:
+    """The per-user TOML file read when no other is named."""
+    return Path(platformdirs.user_config_dir(APP_NAME, appauthor=False)) / "config.toml"
+
+
+def default_cache_dir() -> Path:
+    """The per-user folder for the result cache."""
+    return Path(platformdirs.user_cache_dir(APP_NAME, appauthor=False)) / "results"
+
+
+class Settings(BaseSettings):
+    """All settings. Field descriptions are the user-facing docs (`vramguard serve --help`)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        extra="forbid",
+        validate_default=True,
+    )
+
+    host: str = Field("127.0.0.1", description="Address to listen on. Keep 127.0.0.1 "
+                      "unless other machines must reach the appliance.")
+    port: int = Field(8765, ge=1, le=65535, description="TCP port to listen on.")
+    model: str = Field("efficientnet_lite0", description="Model to serve: efficientnet_lite0 "
+                       "or a torchvision classifier name such as resnet50.")
+    weights: Path | None = Field(None, description="Weights file for a torchvision model "
+                                 "(default: torchvision's cache folder).")
+    device: str = Field("auto", description="auto, cpu, cuda or cuda:N.")
+    max_batch_size: int = Field(32, ge=1, le=512, description="Largest batch warmup may try.")
+    target_latency_ms: float = Field(250.0, gt=0, description="Warmup picks the fastest batch "
+                                     "size whose forward pass stays under this.")
+    max_wait_ms: float | None = Field(None, ge=0, description="How long a batch may wait for "
+                                      "more requests, counted from its first arrival "
+                                      "(default: 0 on the CPU, 2 on a GPU).")
+    queue_size: int = Field(256, ge=1, description="Requests that may wait for the model; "
+                            "beyond this they get 503 and a Retry-After.")
+    request_timeout_s: float = Field(10.0, gt=0, description="A request still queued after "
+                                     "this many seconds gets 503 instead of being computed.")
+    max_body_bytes: ByteSize = Field(ByteSize(32 * 1024**2), gt=0,
+                                     description="Largest accepted upload (e.g. 32MiB).")
+    max_image_pixels: int = Field(40_000_000, gt=0, description="Largest accepted image in "
+                                  "pixels (width x height); guards against decompression bombs.")
+    decode_workers: int | None = Field(None, ge=1, description="Threads that decode images "
+                                       "(default: the number of physical CPU cores).")
+    cache: bool = Field(True, description="Remember results of images seen before.")
+    cache_dir: Path = Field(default_factory=default_cache_dir,
+                            description="Folder for the result cache.")
+    cache_size: ByteSize = Field(ByteSize(256 * 1024**2), gt=0,
+                                 description="Most disk space the result cache may use.")
+    log_level: str = Field("info", description="debug, info, warning or error.")
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, value: str) -> str:
+        value = value.strip().lower()
+        if not _DEVICE_RE.match(value):
+            raise ValueError("must be auto, cpu, cuda or cuda:N (N a number)")
+        return value
+
+    @field_validator("log_level")
+    @classmethod
+    def _check_log_level(cls, value: str) -> str:
+        value = value.strip().lower()
+        if value not in {"debug", "info", "warning", "error"}:
+            raise ValueError("must be debug, info, warning or error")
+        return value
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        toml = TomlConfigSettingsSource(settings_cls, toml_file=_toml_path.get())
+        return (init_settings, env_settings, toml)
+
+
+def _describe(error: dict[str, Any]) -> str:
+    name = ".".join(str(part) for part in error["loc"]) or "configuration"
+    if error["type"] == "extra_forbidden":
+        return f"unknown setting '{name}' (check the spelling in your config file)"
+    return (f"setting '{name}' (env {ENV_PREFIX}{name.upper()}) is invalid: "
+            f"{error['msg']}; got {error.get('input')!r}")
+
+
+def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:
+    """Build the settings from all sources; raise ConfigError naming any bad setting.
+
+    ``overrides`` are the command-line values (None means "not given").
+    """
+    if config_file is None and os.environ.get(f"{ENV_PREFIX}CONFIG"):
+        config_file = Path(os.environ[f"{ENV_PREFIX}CONFIG"])
+    if config_file is not None and not config_file.is_file():
+        raise ConfigError(f"config file not found: {config_file}")
+    path = config_file or default_config_file()
+    token = _toml_path.set(path if path.is_file() else None)
+    given = {key: value for key, value in overrides.items() if value is not None}
+    try:
+        return Settings(**given)
+    except ValidationError as exc:
+        raise ConfigError("; ".join(_describe(e) for e in exc.errors())) from None
+    except ValueError as exc:  # malformed TOML
+        raise ConfigError(f"cannot read config file {path}: {exc}") from None
+    finally:
+        _toml_path.reset(token)

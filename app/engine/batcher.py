@@ -1,0 +1,257 @@
+"""The micro-batcher and the one thread that owns the device.
+
+Requests go into a bounded queue. The device thread takes whatever is queued
+(up to the batch size) as soon as it is free, so an idle device never waits;
+while it is busy, new requests pile up and form the next batch. An optional
+wait window lets a batch fill up, counted from its FIRST arrival (not from
+when the thread looks), so no request waits longer than the window.
+
+Everything that touches the device - loading, warmup, every forward pass -
+runs on this thread: ``call`` hands it arbitrary work between batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from app.errors import DeadlineExceeded, Overloaded
+
+P = TypeVar("P")
+R = TypeVar("R")
+log = logging.getLogger("vramguard.engine")
+
+
+@dataclass(eq=False)
+class WorkItem(Generic[P, R]):
+    """One queued request: its input, when it came, when it stops being worth computing."""
+
+    payload: P
+    enqueued_at: float
+    deadline: float
+    future: Future[R] = field(default_factory=Future)
+
+
+@dataclass
+class BatcherStats:
+    """Counters since start; read without the lock (each is a single int)."""
+
+    batches: int = 0
+    items: int = 0
+    expired: int = 0
+    cancelled: int = 0
+    failed_batches: int = 0
+    largest_batch: int = 0
+
+    @property
+    def mean_batch_size(self) -> float:
+        return self.items / self.batches if self.batches else 0.0
+
+
+class MicroBatcher(Generic[P, R]):
+    """Bounded queue + dedicated device thread running ``run_batch`` on lists of payloads.
+
+    ``run_batch`` must return one result per payload, in order. An exception
+    fails exactly the requests of that batch; the thread carries on.
+    """
+
+    def __init__(
+        self,
+        run_batch: Callable[[list[P]], Sequence[R]],
+        *,
+        max_batch: int,
+        max_wait_s: float = 0.0,
+        queue_size: int = 256,
+        clock: Callable[[], float] = time.monotonic,
+        name: str = "vramguard-device",
+    ) -> None:
+        if max_batch < 1 or queue_size < 1 or max_wait_s < 0:
+            raise ValueError("max_batch and queue_size must be >= 1, max_wait_s >= 0")
+        self._run_batch = run_batch
+        self._max_batch = max_batch
+        self._max_wait_s = max_wait_s
+        self._queue_size = queue_size
+        self._clock = clock
+        self._queue: deque[WorkItem[P, R]] = deque()
+        self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._in_flight = 0
+        self._seconds_per_item = 0.0
+        self.stats = BatcherStats()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+
+    # -- configuration ---------------------------------------------------------------------
+
+    @property
+    def max_batch(self) -> int:
+        return self._max_batch
+
+    def set_max_batch(self, size: int) -> None:
+        """Change the batch size (e.g. after warmup has measured the best one)."""
+        with self._cond:
+            self._max_batch = max(1, size)
+            self._cond.notify_all()
+
+    def set_service_rate(self, items_per_second: float) -> None:
+        """Tell the batcher how fast the device goes, for Retry-After estimates."""
+        self._seconds_per_item = 1.0 / items_per_second if items_per_second > 0 else 0.0
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    @property
+    def thread(self) -> threading.Thread:
+        return self._thread
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Refuse new work, fail what is still queued, and join the device thread."""
+        with self._cond:
+            self._stopping = True
+            leftovers = list(self._queue)
+            self._queue.clear()
+            self._cond.notify_all()
+        for item in leftovers:
+            self._fail(item, Overloaded("vramguard is shutting down.", retry_after=5))
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    # -- submitting work -----------------------------------------------------------------------
+
+    def retry_after(self) -> float:
+        """Seconds until the current queue should have drained (at least 1)."""
+        return max(1.0, (len(self._queue) + self._in_flight) * self._seconds_per_item)
+
+    def submit(self, payload: P, timeout_s: float) -> Future[R]:
+        """Queue ``payload``; raise Overloaded at once when the queue is full."""
+        now = self._clock()
+        item: WorkItem[P, R] = WorkItem(payload, now, now + timeout_s)
+        with self._cond:
+            if self._stopping:
+                raise Overloaded("vramguard is shutting down.", retry_after=5)
+            if len(self._queue) >= self._queue_size:
+                raise Overloaded("vramguard is busy: too many images are waiting. "
+                                 "Try again shortly.", retry_after=self.retry_after())
+            self._queue.append(item)
+            self._cond.notify_all()
+        return item.future
+
+    async def infer(self, payload: P, timeout_s: float) -> R:
+        """Submit and await the result; cancelling the caller withdraws a queued request."""
+        return await asyncio.wrap_future(self.submit(payload, timeout_s))
+
+    def call(self, fn: Callable[[], R]) -> Future[R]:
+        """Run ``fn`` on the device thread between batches (loading, warmup, cache release)."""
+        future: Future[R] = Future()
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("the device thread is stopping")
+            self._calls.append((fn, future))
+            self._cond.notify_all()
+        return future
+
+    # -- the device thread ---------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._calls and not self._stopping:
+                    self._cond.wait()
+                if self._calls:
+                    call = self._calls.popleft()
+                elif self._stopping:
+                    return
+                else:
+                    call = None
+                    self._wait_for_window()
+                    batch, dropped = self._take_batch()
+            if call is not None:
+                self._run_call(*call)
+                continue
+            for item, error in dropped:
+                self._fail(item, error)
+            if batch:
+                self._run(batch)
+
+    def _wait_for_window(self) -> None:
+        """With a window configured, let the batch fill until FIRST arrival + window."""
+        if self._max_wait_s <= 0:
+            return
+        close_at = self._queue[0].enqueued_at + self._max_wait_s
+        while (len(self._queue) < self._max_batch and not self._stopping
+               and not self._calls):
+            remaining = close_at - self._clock()
+            if remaining <= 0:
+                return
+            self._cond.wait(remaining)
+
+    def _take_batch(self) -> tuple[list[WorkItem[P, R]], list[tuple[WorkItem[P, R], Exception]]]:
+        """Pop up to max_batch live items; expired or withdrawn ones are set aside."""
+        batch: list[WorkItem[P, R]] = []
+        dropped: list[tuple[WorkItem[P, R], Exception]] = []
+        now = self._clock()
+        while self._queue and len(batch) < self._max_batch:
+            item = self._queue.popleft()
+            if item.future.cancelled():
+                self.stats.cancelled += 1
+            elif now > item.deadline:
+                self.stats.expired += 1
+                dropped.append((item, DeadlineExceeded(
+                    "vramguard could not get to this image in time because it is busy. "
+                    "Try again shortly.", retry_after=self.retry_after())))
+            elif item.future.set_running_or_notify_cancel():
+                batch.append(item)
+            else:
+                self.stats.cancelled += 1
+        self._in_flight = len(batch)
+        return batch, dropped
+
+    def _run(self, batch: list[WorkItem[P, R]]) -> None:
+        try:
+            results = self._run_batch([item.payload for item in batch])
+            if len(results) != len(batch):
+                raise RuntimeError(f"batch of {len(batch)} gave {len(results)} results")
+        except Exception as exc:
+            log.exception("batch of %d failed", len(batch))
+            self.stats.failed_batches += 1
+            for item in batch:
+                item.future.set_exception(exc)
+        else:
+            for item, result in zip(batch, results, strict=True):
+                item.future.set_result(result)
+        finally:
+            self.stats.batches += 1
+            self.stats.items += len(batch)
+            self.stats.largest_batch = max(self.stats.largest_batch, len(batch))
+            self._in_flight = 0
+
+    @staticmethod
+    def _run_call(fn: Callable[[], Any], future: Future[Any]) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn())
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    @staticmethod
+    def _fail(item: WorkItem[P, R], error: Exception) -> None:
+        if item.future.set_running_or_notify_cancel():
+            item.future.set_exception(error)

@@ -1,0 +1,78 @@
+"""Errors a client can be told about, each with its HTTP status and a stable code.
+
+Every failure that reaches a client is one of these, rendered as
+``{"error": {"code", "message"}}``; the message is written for a person.
+"""
+
+from __future__ import annotations
+
+import math
+
+from starlette.responses import JSONResponse
+
+
+class ApiError(Exception):
+    """Base: a client-visible failure with a status, a machine code and a message."""
+
+    status = 500
+    code = "internal_error"
+
+    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after = retry_after
+
+    def headers(self) -> dict[str, str]:
+        """Retry-After in whole seconds (at least 1) when the client should come back."""
+        if self.retry_after is None:
+            return {}
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after)))}
+
+    def response(self) -> JSONResponse:
+        """The JSON error body every client sees: ``{"error": {"code", "message"}}``."""
+        return JSONResponse({"error": {"code": self.code, "message": self.message}},
+                            status_code=self.status, headers=self.headers())
+
+
+class BadImage(ApiError):
+    status, code = 400, "bad_image"
+
+
+class BadRequest(ApiError):
+    status, code = 400, "bad_request"
+
+
+class NotFound(ApiError):
+    status, code = 404, "not_found"
+
+
+class PayloadTooLarge(ApiError):
+    status, code = 413, "payload_too_large"
+
+
+class ImageTooLarge(ApiError):
+    status, code = 413, "image_too_large"
+
+
+class UnsupportedMediaType(ApiError):
+    status, code = 415, "unsupported_media_type"
+
+
+class Overloaded(ApiError):
+    status, code = 503, "overloaded"
+
+
+class DeadlineExceeded(ApiError):
+    status, code = 503, "deadline_exceeded"
+
+
+class NotReady(ApiError):
+    status, code = 503, "not_ready"
+
+
+class MethodNotAllowed(ApiError):
+    status, code = 405, "method_not_allowed"
+
+
+class InternalError(ApiError):
+    status, code = 500, "internal_error"

@@ -1,0 +1,68 @@
+"""Any torchvision classification architecture, with weights from a local file.
+
+vramguard never downloads: the file comes from `--weights` or torchvision's own
+cache folder, where a previous `torchvision.models.get_model(..., weights=...)`
+on a connected machine would have put it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torchvision.models
+from torch import nn
+
+from app.imaging import Preprocessing
+from app.models.types import ModelLoadError
+
+
+def names() -> list[str]:
+    """The classification architectures this torchvision provides."""
+    return sorted(torchvision.models.list_models(module=torchvision.models))
+
+
+def _weights_enum(name: str) -> Any:
+    if name not in names():
+        raise ModelLoadError(f"Unknown model '{name}'. Use efficientnet_lite0 or one of: "
+                             f"{', '.join(names())}.")
+    return torchvision.models.get_model_weights(name).DEFAULT
+
+
+def weights_file(name: str, weights: Path | None) -> Path:
+    """The local weights file for ``name``; a clear error says where to put it."""
+    enum = _weights_enum(name)
+    if weights is not None:
+        if not weights.is_file():
+            raise ModelLoadError(f"The weights file {weights} does not exist.")
+        return weights
+    filename = os.path.basename(enum.url)
+    cached = Path(torch.hub.get_dir()) / "checkpoints" / filename
+    if cached.is_file():
+        return cached
+    raise ModelLoadError(
+        f"No weights for '{name}' on this computer. Download {enum.url} and either "
+        f"save it as {cached} or start vramguard with --weights PATH_TO_FILE.")
+
+
+def build(name: str, state: dict[str, Any]) -> tuple[nn.Module, Preprocessing]:
+    """Build ``name`` without weights, then load ``state`` strictly."""
+    enum = _weights_enum(name)
+    module = torchvision.models.get_model(name, weights=None)
+    try:
+        module.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        raise ModelLoadError(f"The weights file does not fit model '{name}': "
+                             f"{str(exc).splitlines()[0]}") from None
+    transform = enum.transforms()
+    crop = transform.crop_size[0]
+    resize = transform.resize_size[0]
+    preprocessing = Preprocessing(
+        resize=resize,
+        crop=crop,
+        mean=tuple(255.0 * m for m in transform.mean),  # type: ignore[arg-type]
+        std=tuple(255.0 * s for s in transform.std),  # type: ignore[arg-type]
+    )
+    return module, preprocessing

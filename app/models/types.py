@@ -1,0 +1,32 @@
+"""What the registry hands out, and how it says no."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from app.imaging import Preprocessing
+
+
+class ModelLoadError(Exception):
+    """The model cannot be built or its weights cannot be found; says what to do."""
+
+
+@dataclass
+class LoadedModel:
+    """A ready model: the module on its device plus everything needed to use it."""
+
+    name: str
+    module: nn.Module
+    labels: list[str]
+    preprocessing: Preprocessing
+    weights_file: Path
+    weights_version: str
+    device: torch.device
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.labels)

@@ -1,0 +1,106 @@
+"""``create_app(settings)``: wiring, lifespan and the mapping of errors to JSON."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi_offline import FastAPIOffline
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse
+
+from app import __version__
+from app.cache import ResultCache
+from app.config import Settings
+from app.engine.engine import InferenceEngine
+from app.errors import ApiError, BadRequest, InternalError, MethodNotAllowed, NotFound
+from app.guard.body_limit import BodySizeLimit
+from app.routes import router
+from app.state import AppState
+from app.stats import RequestStats
+from app.workers import CpuPool
+
+log = logging.getLogger("vramguard.server")
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """Serve /healthz at once; load and warm the model in the background (/readyz waits)."""
+    state: AppState = app.state.vg
+    starting = asyncio.create_task(state.engine.start())
+    try:
+        yield
+    finally:
+        starting.cancel()
+        await asyncio.to_thread(state.engine.stop)
+        state.pool.shutdown()
+        if state.cache is not None:
+            state.cache.close()
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for error in exc.errors():
+        where = ".".join(str(p) for p in error.get("loc", ()) if p not in ("query", "body"))
+        parts.append(f"{where}: {error.get('msg')}" if where else str(error.get("msg")))
+    return "Invalid request: " + "; ".join(parts)
+
+
+async def _on_api_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ApiError)
+    request.app.state.vg.stats.count(exc.code)
+    return exc.response()
+
+
+async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    return await _on_api_error(request, BadRequest(_validation_message(exc)))
+
+
+async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, HTTPException)
+    mapped: ApiError
+    if exc.status_code == 404:
+        mapped = NotFound(f"There is no {request.url.path} here. See /docs for the API.")
+    elif exc.status_code == 405:
+        mapped = MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}.")
+    else:
+        mapped = ApiError(str(exc.detail))
+        mapped.status, mapped.code = exc.status_code, "bad_request"
+    return await _on_api_error(request, mapped)
+
+
+async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unexpected error on %s %s", request.method, request.url.path)
+    return await _on_api_error(request, InternalError(
+        "Something went wrong inside vramguard. The details are in its log."))
+
+
+def create_app(settings: Settings) -> FastAPI:
+    """Build the app; the model loads when the app starts (lifespan), not here."""
+    app = FastAPIOffline(
+        title="vramguard",
+        version=__version__,
+        description="Local image classification that guards GPU memory.",
+        lifespan=lifespan,
+        redoc_url=None,
+    )
+    cache = ResultCache(settings.cache_dir, int(settings.cache_size)) if settings.cache else None
+    app.state.vg = AppState(
+        settings=settings,
+        engine=InferenceEngine(settings),
+        pool=CpuPool(settings.decode_workers),
+        cache=cache,
+        stats=RequestStats(),
+    )
+    app.include_router(router)
+    app.add_middleware(BodySizeLimit, max_bytes=int(settings.max_body_bytes))
+    app.add_exception_handler(ApiError, _on_api_error)
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(HTTPException, _on_http_error)
+    app.add_exception_handler(Exception, _on_unexpected)
+    return app

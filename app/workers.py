@@ -1,0 +1,42 @@
+"""The bounded CPU pool for decoding, preprocessing, hashing and cache I/O.
+
+Sized from the physical core count; a semaphore bounds how many jobs may be
+queued for it, so a flood waits here (cheaply, on the event loop) instead of
+piling work into an unbounded executor queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import ParamSpec, TypeVar
+
+import psutil
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def physical_cores() -> int:
+    """Physical cores (hyper-threads share one core's decoder throughput)."""
+    return psutil.cpu_count(logical=False) or psutil.cpu_count() or 1
+
+
+class CpuPool:
+    """A thread pool with a bounded backlog; ``run`` awaits a slot, then the job."""
+
+    def __init__(self, workers: int | None = None, backlog_per_worker: int = 4) -> None:
+        self.workers = workers or physical_cores()
+        self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix="vramguard-cpu")
+        self._slots = asyncio.Semaphore(self.workers * backlog_per_worker)
+
+    async def run(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        async with self._slots:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._executor,
+                                              functools.partial(fn, *args, **kwargs))
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,208 @@
+"""The micro-batcher with a fake model function: dispatch, accumulation, window, drops."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import CancelledError, Future, wait
+
+import pytest
+
+from app.engine.batcher import MicroBatcher
+from app.errors import DeadlineExceeded, Overloaded
+
+
+class FakeModel:
+    """Records every batch; can be held busy with a gate to make requests pile up."""
+
+    def __init__(self, fail_on: object = None) -> None:
+        self.batches: list[list[object]] = []
+        self.started: list[float] = []
+        self.threads: set[str] = set()
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()
+        self.fail_on = fail_on
+
+    def __call__(self, items: list[object]) -> list[object]:
+        self.started.append(time.monotonic())
+        self.threads.add(threading.current_thread().name)
+        self.batches.append(list(items))
+        self.entered.set()
+        self.gate.wait(10)
+        if self.fail_on in items:
+            raise RuntimeError("model exploded")
+        return [f"out:{item}" for item in items]
+
+
+@pytest.fixture
+def make():
+    made: list[MicroBatcher] = []
+
+    def factory(model: FakeModel, **kwargs) -> MicroBatcher:
+        kwargs.setdefault("max_batch", 4)
+        batcher = MicroBatcher(model, **kwargs)
+        batcher.start()
+        made.append(batcher)
+        return batcher
+
+    yield factory
+    for batcher in made:
+        batcher.stop()
+
+
+def hold_busy(model: FakeModel, batcher: MicroBatcher) -> Future:
+    """Occupy the device with one request and return its future once it is running."""
+    model.gate.clear()
+    model.entered.clear()
+    blocker = batcher.submit("blocker", timeout_s=30)
+    assert model.entered.wait(5)
+    return blocker
+
+
+def test_idle_device_dispatches_at_once(make):
+    model = FakeModel()
+    batcher = make(model, max_batch=8)
+    assert batcher.submit("a", timeout_s=5).result(5) == "out:a"
+    assert model.batches == [["a"]]
+
+
+def test_requests_accumulate_while_busy_and_flush_on_size(make):
+    model = FakeModel()
+    batcher = make(model, max_batch=3)
+    blocker = hold_busy(model, batcher)
+    futures = [batcher.submit(i, timeout_s=30) for i in range(5)]
+    assert batcher.queue_depth == 5
+    model.gate.set()
+    assert [f.result(5) for f in futures] == [f"out:{i}" for i in range(5)]
+    assert blocker.result(5) == "out:blocker"
+    assert model.batches == [["blocker"], [0, 1, 2], [3, 4]]
+    assert batcher.stats.largest_batch == 3
+    assert batcher.stats.batches == 3 and batcher.stats.items == 6
+
+
+def test_one_thread_runs_every_batch_and_call(make):
+    model = FakeModel()
+    batcher = make(model, max_batch=2)
+    futures = [batcher.submit(i, timeout_s=5) for i in range(6)]
+    wait(futures, timeout=5)
+    name = batcher.call(lambda: threading.current_thread().name).result(5)
+    assert model.threads == {name} == {batcher.thread.name}
+
+
+def test_window_counts_from_first_arrival(make):
+    model = FakeModel()
+    window = 0.4
+    batcher = make(model, max_batch=8, max_wait_s=window)
+    first_at = time.monotonic()
+    first = batcher.submit("first", timeout_s=10)
+    time.sleep(0.3)
+    second = batcher.submit("second", timeout_s=10)
+    assert first.result(5) == "out:first" and second.result(5) == "out:second"
+    assert model.batches == [["first", "second"]]
+    # Counted from the second arrival it would close at 0.7 s; from the first, at 0.4 s.
+    waited = model.started[0] - first_at
+    assert window - 0.01 <= waited < 0.3 + window
+
+
+def test_window_closes_early_when_batch_is_full(make):
+    model = FakeModel()
+    batcher = make(model, max_batch=2, max_wait_s=30)
+    futures = [batcher.submit(i, timeout_s=60) for i in range(2)]
+    assert [f.result(5) for f in futures] == ["out:0", "out:1"]
+
+
+def test_expired_requests_are_dropped_not_computed(make):
+    model = FakeModel()
+    batcher = make(model, max_batch=4)
+    hold_busy(model, batcher)
+    stale = batcher.submit("stale", timeout_s=0.05)
+    fresh = batcher.submit("fresh", timeout_s=30)
+    time.sleep(0.15)
+    model.gate.set()
+    with pytest.raises(DeadlineExceeded) as info:
+        stale.result(5)
+    assert info.value.retry_after is not None
+    assert fresh.result(5) == "out:fresh"
+    assert all("stale" not in batch for batch in model.batches)
+    assert batcher.stats.expired == 1
+
+
+def test_cancelled_requests_are_withdrawn(make):
+    model = FakeModel()
+    batcher = make(model, max_batch=4)
+    hold_busy(model, batcher)
+    gone = batcher.submit("gone", timeout_s=30)
+    kept = batcher.submit("kept", timeout_s=30)
+    assert gone.cancel()
+    model.gate.set()
+    assert kept.result(5) == "out:kept"
+    with pytest.raises(CancelledError):
+        gone.result(0)
+    assert all("gone" not in batch for batch in model.batches)
+    assert batcher.stats.cancelled == 1
+
+
+def test_cancelling_the_awaiting_task_withdraws_the_request(make):
+    model = FakeModel()
+    batcher = make(model, max_batch=4)
+
+    async def scenario() -> None:
+        hold_busy(model, batcher)
+        task = asyncio.ensure_future(batcher.infer("client-left", timeout_s=30))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        model.gate.set()
+        assert await batcher.infer("next", timeout_s=30) == "out:next"
+
+    asyncio.run(scenario())
+    assert all("client-left" not in batch for batch in model.batches)
+
+
+def test_exception_reaches_only_its_batch(make):
+    model = FakeModel(fail_on="bad")
+    batcher = make(model, max_batch=2)
+    hold_busy(model, batcher)
+    doomed = [batcher.submit("bad", timeout_s=30), batcher.submit("x", timeout_s=30)]
+    spared = [batcher.submit("y", timeout_s=30), batcher.submit("z", timeout_s=30)]
+    model.gate.set()
+    for future in doomed:
+        with pytest.raises(RuntimeError, match="model exploded"):
+            future.result(5)
+    assert [f.result(5) for f in spared] == ["out:y", "out:z"]
+    assert batcher.submit("after", timeout_s=5).result(5) == "out:after"
+    assert batcher.stats.failed_batches == 1
+
+
+def test_full_queue_refuses_with_retry_after(make):
+    model = FakeModel()
+    batcher = make(model, max_batch=1, queue_size=2)
+    batcher.set_service_rate(0.5)
+    hold_busy(model, batcher)
+    batcher.submit(1, timeout_s=30)
+    batcher.submit(2, timeout_s=30)
+    with pytest.raises(Overloaded) as info:
+        batcher.submit(3, timeout_s=30)
+    assert info.value.status == 503
+    # two queued + one running at 2 s per image
+    assert info.value.headers() == {"Retry-After": "6"}
+    model.gate.set()
+
+
+def test_stop_fails_queued_requests_and_refuses_new_ones(make):
+    model = FakeModel()
+    batcher = make(model, max_batch=1)
+    running = hold_busy(model, batcher)
+    queued = batcher.submit("queued", timeout_s=30)
+    stopper = threading.Thread(target=batcher.stop)
+    stopper.start()
+    assert isinstance(queued.exception(5), Overloaded)
+    with pytest.raises(Overloaded):
+        batcher.submit("late", timeout_s=5)
+    model.gate.set()
+    stopper.join(5)
+    assert running.result(5) == "out:blocker"
+    assert not batcher.thread.is_alive()
