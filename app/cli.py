@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -97,9 +98,17 @@ def serve(settings: Settings) -> int:
     if problem:
         print(f"vramguard: {problem}", file=sys.stderr)
         return 1
+    # uvicorn drains and stops on SIGINT/SIGTERM, then re-raises the signal; this handler
+    # turns that into a normal exit (status 0) instead of death by signal.
+    for stop_signal in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop_signal, _exit_cleanly)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, workers=1,
                 log_level=settings.log_level, timeout_graceful_shutdown=10)
     return 0
+
+
+def _exit_cleanly(signum: int, frame: object) -> None:
+    raise SystemExit(0)
 
 
 def main(argv: list[str] | None = None) -> int:

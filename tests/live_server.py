@@ -8,8 +8,8 @@ import socket
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,7 +65,7 @@ def live_server(tmp: Path, *args: str, env: dict[str, str] | None = None,
             except httpx.TransportError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"server not ready after {ready_timeout} s:\n{server.log_text()}")
+                raise RuntimeError(f"not ready in {ready_timeout} s:\n{server.log_text()}")
             time.sleep(0.2)
         yield server
     finally:

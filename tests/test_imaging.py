@@ -87,7 +87,7 @@ def test_gif_gives_its_first_frame():
     from images import animated_gif
 
     image = decode_image(animated_gif(), LIMIT)
-    red, green, blue = np.asarray(image).reshape(-1, 3).mean(axis=0)
+    red, _, blue = np.asarray(image).reshape(-1, 3).mean(axis=0)
     assert not (blue > 200 and red < 50)  # the second frame is pure blue
 
 

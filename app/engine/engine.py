@@ -14,7 +14,7 @@ import logging
 from app.config import Settings
 from app.engine.batcher import MicroBatcher
 from app.engine.device import resolve_device
-from app.engine.predictor import Predictor, Prediction, Sample
+from app.engine.predictor import Prediction, Predictor, Sample
 from app.engine.warmup import WarmupProfile, profile
 from app.errors import NotReady
 from app.models import LoadedModel, load_model

@@ -1,0 +1,44 @@
+"""Warmup's choice of batch size from measured latencies."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.engine.warmup import BatchTiming, batch_sizes, choose_batch_size, profile
+
+
+def test_batch_sizes_double_up_to_the_maximum():
+    assert batch_sizes(1) == [1]
+    assert batch_sizes(8) == [1, 2, 4, 8]
+    assert batch_sizes(12) == [1, 2, 4, 8, 12]
+
+
+def test_chooses_best_throughput_not_the_biggest_batch():
+    # Shaped like EfficientNet-Lite0 on a 2-core CPU: per image, batch 8 is slower.
+    timings = [BatchTiming(1, 0.030), BatchTiming(2, 0.050), BatchTiming(4, 0.085),
+               BatchTiming(8, 0.240)]
+    assert choose_batch_size(timings, target_latency_s=1.0) == 4
+
+
+def test_latency_target_caps_the_batch():
+    timings = [BatchTiming(1, 0.010), BatchTiming(8, 0.040), BatchTiming(32, 0.120)]
+    assert choose_batch_size(timings, target_latency_s=0.1) == 8
+    assert choose_batch_size(timings, target_latency_s=0.005) == 1
+
+
+def test_profile_stops_growing_past_the_target():
+    tried: list[int] = []
+    now = [0.0]
+
+    def clock() -> float:
+        return now[0]
+
+    def run(size: int) -> None:
+        tried.append(size)
+        now[0] += 0.01 * size  # 10 ms per image: every size has the same throughput
+
+    result = profile(run, max_batch=64, target_latency_s=0.05, repeats=2, clock=clock)
+    assert [t.batch_size for t in result.timings] == [1, 2, 4, 8]
+    assert set(tried) == {1, 2, 4, 8}
+    assert result.chosen_batch_size == 1  # ties go to the smaller batch (lower latency)
+    assert result.timings[2].seconds == pytest.approx(0.04)
