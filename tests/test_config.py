@@ -77,3 +77,13 @@ def test_cli_reports_config_errors_without_a_traceback(monkeypatch, capsys):
     assert main(["serve"]) == 2
     err = capsys.readouterr().err
     assert "setting 'port'" in err and "Traceback" not in err
+
+
+def test_readme_documents_every_setting():
+    from pathlib import Path
+
+    from app.config import Settings
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    missing = [name for name in Settings.model_fields if f"| `{name}` |" not in readme]
+    assert not missing, f"settings missing from the README's table: {missing}"

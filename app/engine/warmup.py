@@ -63,7 +63,7 @@ def profile(
     run: Callable[[int], object],
     max_batch: int,
     target_latency_s: float,
-    repeats: int = 3,
+    repeats: int = 5,
     clock: Callable[[], float] = time.perf_counter,
 ) -> WarmupProfile:
     """Time ``run(batch_size)``; stop growing once a size exceeds the latency target."""

@@ -1,0 +1,105 @@
+"""Asynchronous load generator: N concurrent clients for a bounded time, 127.0.0.1 only.
+
+Each client sends the next request as soon as it has its answer (closed loop).
+Reports throughput, latency percentiles, status counts and the server's peak RSS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import aiohttp
+import psutil
+
+LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
+
+
+@dataclass
+class LoadResult:
+    concurrency: int
+    seconds: float
+    latencies: list[float] = field(default_factory=list)
+    statuses: Counter[str] = field(default_factory=Counter)
+    peak_rss_bytes: int = 0
+
+    @property
+    def ok(self) -> int:
+        return self.statuses.get("200", 0)
+
+    @property
+    def requests_per_second(self) -> float:
+        return self.ok / self.seconds if self.seconds else 0.0
+
+    def percentile(self, q: float) -> float:
+        if not self.latencies:
+            return float("nan")
+        ordered = sorted(self.latencies)
+        return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+    def merge(self, other: LoadResult) -> LoadResult:
+        """Pool two runs at the same concurrency (interleaved rounds of one benchmark)."""
+        merged = LoadResult(self.concurrency, self.seconds + other.seconds,
+                            self.latencies + other.latencies, self.statuses + other.statuses,
+                            max(self.peak_rss_bytes, other.peak_rss_bytes))
+        return merged
+
+    @property
+    def errors(self) -> int:
+        return sum(n for status, n in self.statuses.items() if status != "200")
+
+
+async def _watch_rss(pid: int, result: LoadResult, stop: asyncio.Event) -> None:
+    process = psutil.Process(pid)
+    while not stop.is_set():
+        try:
+            rss = process.memory_info().rss + sum(
+                c.memory_info().rss for c in process.children(recursive=True))
+        except psutil.Error:
+            return
+        result.peak_rss_bytes = max(result.peak_rss_bytes, rss)
+        await asyncio.sleep(0.1)
+
+
+async def run_load(url: str, body: bytes, concurrency: int, seconds: float,
+                   server_pid: int | None = None, max_requests: int = 100_000,
+                   content_type: str = "image/jpeg", timeout_s: float = 60) -> LoadResult:
+    """Closed-loop load on ``url`` (must be loopback) for ``seconds`` or ``max_requests``."""
+    host = urlsplit(url).hostname
+    if host not in LOCAL_HOSTS:
+        raise ValueError(f"load tests only target this machine, not {host}")
+    result = LoadResult(concurrency, seconds)
+    stop = asyncio.Event()
+    sent = 0
+    deadline = time.perf_counter() + seconds
+
+    async def client(session: aiohttp.ClientSession) -> None:
+        nonlocal sent
+        while time.perf_counter() < deadline and sent < max_requests:
+            sent += 1
+            started = time.perf_counter()
+            try:
+                async with session.post(url, data=body,
+                                        headers={"Content-Type": content_type}) as response:
+                    await response.read()
+                    status = str(response.status)
+            except (TimeoutError, aiohttp.ClientError) as exc:
+                status = type(exc).__name__
+            result.latencies.append(time.perf_counter() - started)
+            result.statuses[status] += 1
+
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        watcher = (asyncio.create_task(_watch_rss(server_pid, result, stop))
+                   if server_pid else None)
+        started = time.perf_counter()
+        await asyncio.gather(*(client(session) for _ in range(concurrency)))
+        result.seconds = time.perf_counter() - started
+        stop.set()
+        if watcher:
+            await watcher
+    return result

@@ -1,0 +1,54 @@
+"""Start a server process, wait until its /readyz answers 200, stop it with SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@contextmanager
+def running(command: list[str], ready_url: str, log: Path, env: dict[str, str] | None = None,
+            ready_timeout: float = 180) -> Iterator[subprocess.Popen[bytes]]:
+    """Run ``command`` until the block ends; raise with its log if it never gets ready."""
+    with log.open("wb") as sink:
+        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=sink,
+                                   stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + ready_timeout
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"exited with {process.returncode}:\n"
+                                   f"{log.read_text(errors='replace')}")
+            try:
+                if httpx.get(ready_url, timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"not ready in {ready_timeout} s:\n"
+                                   f"{log.read_text(errors='replace')}")
+            time.sleep(0.2)
+        yield process
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()

@@ -1,0 +1,164 @@
+"""One command, one run: vramguard vs. the naive server vs. the offline limit.
+
+    python -m bench.run [--seconds 16] [--rounds 2] [--concurrency 1 8 32]
+
+The speed of a shared machine drifts from minute to minute, so the servers are
+measured in interleaved rounds (vramguard, naive, vramguard, naive, ...) at
+each concurrency, with the result cache off, and the offline limit is measured
+before and after (the higher counts). Cache-hit throughput is measured
+separately. Prints a table with the ratios and writes it to bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import psutil
+import torch
+
+from app.models import DEFAULT_MODEL, load_model
+from bench.loadgen import LoadResult, run_load
+from bench.offline import offline_limit
+from bench.process import ROOT, free_port, running
+
+IMAGE = ROOT / "tests" / "data" / "coffee.jpg"
+
+
+@dataclass
+class Row:
+    server: str
+    result: LoadResult
+
+    def cells(self) -> list[str]:
+        r = self.result
+        return [self.server, str(r.concurrency), f"{r.requests_per_second:.1f}",
+                f"{r.percentile(50) * 1000:.0f}", f"{r.percentile(90) * 1000:.0f}",
+                f"{r.percentile(99) * 1000:.0f}", str(r.ok), str(r.errors),
+                f"{r.peak_rss_bytes / 1024**2:.0f}"]
+
+
+def _settle(url: str, pid: int) -> None:
+    """First requests pay one-off costs (allocator growth, lazy imports)."""
+    asyncio.run(run_load(url, IMAGE.read_bytes(), 2, 2.0, pid))
+
+
+def _interleaved(servers: dict[str, tuple[str, int]], levels: list[int], seconds: float,
+                 rounds: int) -> list[Row]:
+    body = IMAGE.read_bytes()
+    rows = []
+    for concurrency in levels:
+        pooled: dict[str, LoadResult] = {}
+        for _ in range(rounds):
+            for name, (url, pid) in servers.items():
+                result = asyncio.run(run_load(url, body, concurrency, seconds / rounds, pid))
+                pooled[name] = pooled[name].merge(result) if name in pooled else result
+        for name, result in pooled.items():
+            rows.append(Row(name, result))
+            print(f"  {name:<10} c={concurrency:<3} {result.requests_per_second:6.1f} req/s  "
+                  f"p99 {result.percentile(99) * 1000:6.0f} ms  errors {result.errors}",
+                  flush=True)
+    return rows
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    return (f"{platform.system()} {platform.machine()} ({cpu}), "
+            f"{psutil.cpu_count(logical=False)} physical / {psutil.cpu_count()} logical cores, "
+            f"{psutil.virtual_memory().total / 1024**3:.0f} GiB, torch {torch.__version__}, "
+            f"{'CUDA ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'CPU'}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=16.0,
+                        help="per server and load level, split over the rounds")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds per level")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="vramguard-bench-"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VRAMGUARD_")}
+    env["VRAMGUARD_CACHE_DIR"] = str(work / "cache")
+
+    print(f"machine: {machine()}", flush=True)
+    model = load_model(DEFAULT_MODEL, torch.device("cpu"))
+    offline_seconds = min(args.seconds / 3, 5)
+    best, offline_all = offline_limit(model, IMAGE.read_bytes(), seconds=offline_seconds)
+
+    ours_port, naive_port = free_port(), free_port()
+    ours, naive = f"http://127.0.0.1:{ours_port}", f"http://127.0.0.1:{naive_port}"
+    serve = [sys.executable, "-m", "app", "serve", "--log-level", "warning"]
+    with running([*serve, "--port", str(ours_port), "--no-cache"], f"{ours}/readyz",
+                 work / "vramguard.log", env) as ours_proc, \
+            running([sys.executable, "-m", "bench.naive_server", "--port", str(naive_port)],
+                    f"{naive}/readyz", work / "naive.log", env) as naive_proc:
+        chosen = httpx.get(f"{ours}/v1/models").json()["models"][0]["max_batch_size"]
+        servers = {"vramguard": (f"{ours}/v1/classify", ours_proc.pid),
+                   "naive": (f"{naive}/v1/classify", naive_proc.pid)}
+        for url, pid in servers.values():
+            _settle(url, pid)
+        rows = _interleaved(servers, args.concurrency, args.seconds, args.rounds)
+    with running([*serve, "--port", str(ours_port)], f"{ours}/readyz", work / "cached.log",
+                 env) as proc:
+        hits = asyncio.run(run_load(f"{ours}/v1/classify", IMAGE.read_bytes(), 8,
+                                    min(args.seconds, 5), proc.pid))
+    best_after, offline_after = offline_limit(model, IMAGE.read_bytes(), seconds=offline_seconds)
+    if best_after.images_per_second > best.images_per_second:
+        best, offline_all = best_after, offline_after
+    for r in offline_all:
+        print(f"  offline batch {r.batch_size}: {r.images_per_second:.1f} img/s", flush=True)
+
+    by = {(row.server, row.result.concurrency): row.result for row in rows}
+    lines = [
+        f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        f"machine: {machine()}",
+        f"model: {DEFAULT_MODEL}; image: tests/data/coffee.jpg (600x400 JPEG); "
+        f"{args.seconds:.0f} s per server and level in {args.rounds} interleaved rounds; "
+        "result cache off",
+        f"offline limit (best of before/after): {best.images_per_second:.1f} img/s "
+        f"at batch {best.batch_size} ("
+        + ", ".join(f"b{r.batch_size} {r.images_per_second:.1f}" for r in offline_all) + ")",
+        f"vramguard warmup chose batch size {chosen}",
+        "",
+        "| server | concurrency | req/s | p50 ms | p90 ms | p99 ms | ok | errors | peak RSS MiB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        *("| " + " | ".join(row.cells()) + " |" for row in rows),
+        "",
+        "| concurrency | vramguard / naive | vramguard / offline limit | p99 vramguard / naive |",
+        "| --- | --- | --- | --- |",
+    ]
+    for c in args.concurrency:
+        ours, theirs = by[("vramguard", c)], by[("naive", c)]
+        lines.append(
+            f"| {c} | {ours.requests_per_second / theirs.requests_per_second:.2f} | "
+            f"{ours.requests_per_second / best.images_per_second:.2f} | "
+            f"{ours.percentile(99) / theirs.percentile(99):.2f} |")
+    lines += ["", f"cache hits (same image, concurrency 8): {hits.requests_per_second:.0f} req/s, "
+              f"p99 {hits.percentile(99) * 1000:.1f} ms, errors {hits.errors}"]
+    report = "\n".join(lines)
+    print("\n" + report)
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    (args.out / f"bench-{stamp}.md").write_text(report + "\n")
+    (args.out / f"bench-{stamp}.json").write_text(json.dumps(
+        {"offline": [vars(r) for r in offline_all],
+         "rows": [{"server": r.server, "concurrency": r.result.concurrency,
+                   "rps": r.result.requests_per_second, "p50": r.result.percentile(50),
+                   "p99": r.result.percentile(99), "statuses": dict(r.result.statuses),
+                   "peak_rss": r.result.peak_rss_bytes} for r in rows]}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
