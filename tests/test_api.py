@@ -191,3 +191,29 @@ def test_cache_hit_answers_without_the_model(cached_server):
         [p["index"] for p in first["predictions"]]
     assert len(second["predictions"]) == 7
     assert stats["requests"]["cached"] >= 1 and stats["cache_entries"] >= 1
+
+
+async def _impatient(url: str, count: int, timeout: float) -> int:
+    async with httpx.AsyncClient(base_url=url, timeout=timeout,
+                                 limits=httpx.Limits(max_connections=count)) as client:
+        results = await asyncio.gather(
+            *(client.post("/v1/classify", content=photo(), headers=JPEG) for _ in range(count)),
+            return_exceptions=True)
+    return sum(isinstance(r, httpx.TimeoutException) for r in results)
+
+
+def test_clients_that_hang_up_are_not_computed(server):
+    with server.client() as client:
+        before = client.get("/v1/stats").json()
+    gave_up = asyncio.run(_impatient(server.url, 48, timeout=0.3))
+    assert gave_up > 0
+    with server.client() as client:
+        for _ in range(50):
+            after = client.get("/v1/stats").json()
+            if after["queue_depth"] == 0 and after["in_flight"] == 0:
+                break
+            __import__("time").sleep(0.1)
+        assert classify(client, photo()).status_code == 200
+    computed = after["batched_images"] - before["batched_images"]
+    assert after["withdrawn_in_queue"] > before["withdrawn_in_queue"]
+    assert computed < 48
