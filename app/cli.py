@@ -47,6 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-cache", dest="cache", action="store_const", const=False,
                        help="Do not remember results (env VRAMGUARD_CACHE=0).")
     serve.add_argument("--log-level", help=fields["log_level"].description)
+    serve.add_argument("--batch-size", type=int, help=fields["batch_size"].description)
+    serve.add_argument("--cpu-memory-cap", help=fields["cpu_memory_cap"].description)
+    serve.add_argument("--memory-fraction", type=float,
+                       help=fields["memory_fraction"].description)
+    serve.add_argument("--memory-budget", help=fields["memory_budget"].description)
+    serve.add_argument("--idle-release-s", type=float, help=fields["idle_release_s"].description)
 
     doctor = commands.add_parser("doctor", help="Check torch, the GPU and the model.")
     _add_common(doctor)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import platformdirs
-from pydantic import ByteSize, Field, ValidationError, field_validator
+from pydantic import ByteSize, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -40,6 +40,11 @@ def default_config_file() -> Path:
 def default_cache_dir() -> Path:
     """The per-user folder for the result cache."""
     return Path(platformdirs.user_cache_dir(APP_NAME, appauthor=False)) / "results"
+
+
+def default_token_file() -> Path:
+    """The per-user admin token file, next to the config file."""
+    return default_config_file().parent / "admin-token"
 
 
 class Settings(BaseSettings):
@@ -81,6 +86,23 @@ class Settings(BaseSettings):
     cache_size: ByteSize = Field(ByteSize(256 * 1024**2), gt=0,
                                  description="Most disk space the result cache may use.")
     log_level: str = Field("info", description="debug, info, warning or error.")
+    batch_size: int | None = Field(None, ge=1, description="Use this batch size instead of "
+                                   "the one warmup measures as fastest.")
+    memory_fraction: float = Field(0.7, gt=0, le=1, description="Share of the device's memory "
+                                   "vramguard may plan for (weights and overhead included).")
+    memory_budget: ByteSize | None = Field(None, gt=0, description="Upper limit on the "
+                                           "memory budget for images in flight (e.g. 2GiB).")
+    high_watermark: float = Field(0.9, gt=0, le=1, description="Share of the budget above "
+                                  "which vramguard sheds load (batch 1, cache emptied).")
+    low_watermark: float = Field(0.75, gt=0, lt=1, description="Share of the budget below "
+                                 "which shedding ends.")
+    cpu_memory_cap: ByteSize | None = Field(None, gt=0, description="On the CPU: a hard "
+                                            "limit on tensor memory that fails like a full "
+                                            "GPU (for testing OOM recovery).")
+    idle_release_s: float = Field(60.0, ge=0, description="Give cached GPU memory back to "
+                                  "other programs after this many idle seconds (0: never).")
+    token_file: Path = Field(default_factory=default_token_file, description="File holding "
+                             "the admin token (created at first start, owner-only).")
 
     @field_validator("device")
     @classmethod
@@ -98,6 +120,12 @@ class Settings(BaseSettings):
             raise ValueError("must be debug, info, warning or error")
         return value
 
+    @model_validator(mode="after")
+    def _check_watermarks(self) -> Settings:
+        if self.low_watermark >= self.high_watermark:
+            raise ValueError("low_watermark must be below high_watermark")
+        return self
+
     @classmethod
     def settings_customise_sources(
         cls,
@@ -112,7 +140,9 @@ class Settings(BaseSettings):
 
 
 def _describe(error: dict[str, Any]) -> str:
-    name = ".".join(str(part) for part in error["loc"]) or "configuration"
+    name = ".".join(str(part) for part in error["loc"])
+    if not name:
+        return f"invalid settings: {error['msg'].removeprefix('Value error, ')}"
     if error["type"] == "extra_forbidden":
         return f"unknown setting '{name}' (check the spelling in your config file)"
     return (f"setting '{name}' (env {ENV_PREFIX}{name.upper()}) is invalid: "

@@ -70,6 +70,21 @@ class NotReady(ApiError):
     status, code = 503, "not_ready"
 
 
+class InsufficientMemory(ApiError):
+    status, code = 503, "insufficient_memory"
+
+
+class Unauthorized(ApiError):
+    status, code = 401, "unauthorized"
+
+    def headers(self) -> dict[str, str]:
+        return {"WWW-Authenticate": "Bearer"}
+
+
+class Conflict(ApiError):
+    status, code = 409, "conflict"
+
+
 class MethodNotAllowed(ApiError):
     status, code = 405, "method_not_allowed"
 

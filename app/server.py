@@ -18,13 +18,16 @@ from app.cache import ResultCache
 from app.config import Settings
 from app.engine.engine import InferenceEngine
 from app.errors import ApiError, BadRequest, InternalError, MethodNotAllowed, NotFound
+from app.guard.admin_token import load_or_create_token
 from app.guard.body_limit import BodySizeLimit
+from app.memory_routes import router as memory_router
 from app.routes import router
 from app.state import AppState
 from app.stats import RequestStats
 from app.workers import CpuPool
 
 log = logging.getLogger("vramguard.server")
+MONITOR_INTERVAL_S = 1.0
 
 
 @asynccontextmanager
@@ -32,14 +35,28 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     """Serve /healthz at once; load and warm the model in the background (/readyz waits)."""
     state: AppState = app.state.vg
     starting = asyncio.create_task(state.engine.start())
+    monitor = asyncio.create_task(_monitor(state))
     try:
         yield
     finally:
         starting.cancel()
+        monitor.cancel()
         await asyncio.to_thread(state.engine.stop)
         state.pool.shutdown()
         if state.cache is not None:
             state.cache.close()
+
+
+async def _monitor(state: AppState) -> None:
+    """Once a second, on the device thread: follow memory, update the state, idle release."""
+    engine = state.engine
+    while True:
+        await asyncio.sleep(MONITOR_INTERVAL_S)
+        if engine.ready:
+            try:
+                await engine.on_device(engine.tick)
+            except Exception:
+                log.exception("memory monitor failed")
 
 
 def _validation_message(exc: RequestValidationError) -> str:
@@ -96,8 +113,10 @@ def create_app(settings: Settings) -> FastAPI:
         pool=CpuPool(settings.decode_workers),
         cache=cache,
         stats=RequestStats(),
+        admin_token=load_or_create_token(settings.token_file),
     )
     app.include_router(router)
+    app.include_router(memory_router)
     app.add_middleware(BodySizeLimit, max_bytes=int(settings.max_body_bytes))
     app.add_exception_handler(ApiError, _on_api_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)

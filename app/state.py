@@ -18,3 +18,4 @@ class AppState:
     pool: CpuPool
     cache: ResultCache | None
     stats: RequestStats
+    admin_token: str

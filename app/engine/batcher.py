@@ -27,6 +27,7 @@ from app.errors import DeadlineExceeded, Overloaded
 P = TypeVar("P")
 R = TypeVar("R")
 log = logging.getLogger("vramguard.engine")
+MEMORY_POLL_S = 0.05
 
 
 @dataclass(eq=False)
@@ -58,8 +59,11 @@ class BatcherStats:
 class MicroBatcher(Generic[P, R]):
     """Bounded queue + dedicated device thread running ``run_batch`` on lists of payloads.
 
-    ``run_batch`` must return one result per payload, in order. An exception
-    fails exactly the requests of that batch; the thread carries on.
+    ``run_batch`` must return one result per payload, in order; a result that
+    is an exception fails just its request. An exception raised by
+    ``run_batch`` fails exactly the requests of that batch; the thread carries
+    on. ``batch_limit`` (the memory guard) caps each batch; while it says 0,
+    requests wait, up to their deadline.
     """
 
     def __init__(
@@ -71,10 +75,12 @@ class MicroBatcher(Generic[P, R]):
         queue_size: int = 256,
         clock: Callable[[], float] = time.monotonic,
         name: str = "vramguard-device",
+        batch_limit: Callable[[], int] | None = None,
     ) -> None:
         if max_batch < 1 or queue_size < 1 or max_wait_s < 0:
             raise ValueError("max_batch and queue_size must be >= 1, max_wait_s >= 0")
         self._run_batch = run_batch
+        self.batch_limit = batch_limit
         self._max_batch = max_batch
         self._max_wait_s = max_wait_s
         self._queue_size = queue_size
@@ -182,6 +188,8 @@ class MicroBatcher(Generic[P, R]):
                     call = None
                     self._wait_for_window()
                     batch, dropped = self._take_batch()
+                    if not batch and self._queue:
+                        self._cond.wait(MEMORY_POLL_S)  # nothing fits now: look again soon
             if call is not None:
                 self._run_call(*call)
                 continue
@@ -207,21 +215,41 @@ class MicroBatcher(Generic[P, R]):
         batch: list[WorkItem[P, R]] = []
         dropped: list[tuple[WorkItem[P, R], Exception]] = []
         now = self._clock()
-        while self._queue and len(batch) < self._max_batch:
+        limit = self._max_batch
+        if self.batch_limit is not None:
+            limit = min(limit, self.batch_limit())
+        if limit <= 0:  # nothing fits: only clear out what has expired or been withdrawn
+            self._drop_stale(now, dropped)
+            return batch, dropped
+        while self._queue and len(batch) < limit:
             item = self._queue.popleft()
             if item.future.cancelled():
                 self.stats.cancelled += 1
             elif now > item.deadline:
                 self.stats.expired += 1
-                dropped.append((item, DeadlineExceeded(
-                    "vramguard could not get to this image in time because it is busy. "
-                    "Try again shortly.", retry_after=self.retry_after())))
+                dropped.append((item, self._expired_error()))
             elif item.future.set_running_or_notify_cancel():
                 batch.append(item)
             else:
                 self.stats.cancelled += 1
         self._in_flight = len(batch)
         return batch, dropped
+
+    def _drop_stale(self, now: float, dropped: list[tuple[WorkItem[P, R], Exception]]) -> None:
+        kept: deque[WorkItem[P, R]] = deque()
+        for item in self._queue:
+            if item.future.cancelled():
+                self.stats.cancelled += 1
+            elif now > item.deadline:
+                self.stats.expired += 1
+                dropped.append((item, self._expired_error()))
+            else:
+                kept.append(item)
+        self._queue = kept
+
+    def _expired_error(self) -> DeadlineExceeded:
+        return DeadlineExceeded("vramguard could not get to this image in time because it is "
+                                "busy. Try again shortly.", retry_after=self.retry_after())
 
     def _run(self, batch: list[WorkItem[P, R]]) -> None:
         try:
@@ -235,7 +263,10 @@ class MicroBatcher(Generic[P, R]):
                 item.future.set_exception(exc)
         else:
             for item, result in zip(batch, results, strict=True):
-                item.future.set_result(result)
+                if isinstance(result, BaseException):
+                    item.future.set_exception(result)
+                else:
+                    item.future.set_result(result)
         finally:
             self.stats.batches += 1
             self.stats.items += len(batch)

@@ -1,0 +1,1 @@
+"""Memory accounting: probes, the live-tensor tracker, the budget and the guard."""
