@@ -21,7 +21,10 @@ def run_doctor(settings: Settings) -> int:
     import torchvision
 
     from app.engine.device import DeviceError, resolve_device
-    from app.models import ModelLoadError, load_model
+    from app.engine.engine import InferenceEngine
+    from app.memory.budget import human_bytes
+    from app.memory.nvml import Nvml
+    from app.models import ModelLoadError
 
     problems = 0
     _line("vramguard", __version__)
@@ -36,6 +39,9 @@ def run_doctor(settings: Settings) -> int:
     for index in range(torch.cuda.device_count() if cuda else 0):
         props = torch.cuda.get_device_properties(index)
         _line(f"  cuda:{index}", f"{props.name}, {props.total_memory / 1024**3:.1f} GiB")
+    nvml = Nvml.open()
+    _line("NVIDIA driver (NVML)", f"{nvml.driver_version()}" if nvml else "not found (normal "
+          "without an NVIDIA GPU)", ok=nvml is not None or not cuda)
     try:
         device = resolve_device(settings.device)
         _line("device", f"{device} (setting: {settings.device})")
@@ -44,14 +50,28 @@ def run_doctor(settings: Settings) -> int:
         return 1
     try:
         started = time.perf_counter()
-        model = load_model(settings.model, device, settings.weights)
-        crop = model.preprocessing.crop
-        with torch.inference_mode():
-            model.module(torch.zeros(1, 3, crop, crop, device=device))
+        engine = InferenceEngine(settings)
+        model = engine.load()
+        engine.warm_up()
         elapsed = time.perf_counter() - started
-        _line("model", f"{model.name} loaded and ran in {elapsed:.2f} s ({model.weights_file})")
+        _line("model", f"{model.name} loaded and warmed up in {elapsed:.2f} s "
+              f"({model.weights_file})")
     except (ModelLoadError, RuntimeError, OSError) as exc:
         _line("model", exc, ok=False)
+        print(f"{problems + 1} problem(s) found")
+        return 1
+    assert engine.guard is not None and engine.memory is not None and engine.warmup is not None
+    fit = engine.memory.fit
+    _line("batch size", f"{engine.batcher.max_batch} "
+          f"({engine.warmup.images_per_second:.1f} images/s at warmup)")
+    _line("memory per batch", f"{human_bytes(fit.fixed_bytes)} + "
+          f"{human_bytes(fit.bytes_per_sample)} per image (measured at warmup)")
+    print("   budget:")
+    for text in engine.guard.budget.lines():
+        print(f"     {text}")
+    if engine.guard.budget_bytes < fit.peak(1):
+        _line("budget", "too small for even one image: close programs that use the GPU, or "
+              "raise memory_fraction", ok=False)
         problems += 1
     print("all checks passed" if not problems else f"{problems} problem(s) found")
     return 1 if problems else 0

@@ -23,6 +23,13 @@ class LiveServer:
     url: str
     process: subprocess.Popen[bytes]
     log: Path
+    token_file: Path
+
+    def token(self) -> str:
+        return self.token_file.read_text().strip()
+
+    def admin(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token()}"}
 
     def client(self, **kwargs: object) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=60, **kwargs)
@@ -38,9 +45,10 @@ def live_server(tmp: Path, *args: str, env: dict[str, str] | None = None) -> Ite
     home = tmp / f"home-{port}"
     inherited = {k: v for k, v in os.environ.items() if not k.startswith("VRAMGUARD_")}
     full_env = {**inherited, **{var: str(home / var.lower()) for var in USER_DIRS},
-                "VRAMGUARD_CACHE_DIR": str(tmp / f"cache-{port}"), **(env or {})}
+                "VRAMGUARD_CACHE_DIR": str(tmp / f"cache-{port}"),
+                "VRAMGUARD_TOKEN_FILE": str(home / "admin-token"), **(env or {})}
     url = f"http://127.0.0.1:{port}"
     log = tmp / f"server-{port}.log"
     command = [sys.executable, "-m", "app", "serve", "--port", str(port), *args]
     with running(command, f"{url}/readyz", log, env=full_env) as process:
-        yield LiveServer(url, process, log)
+        yield LiveServer(url, process, log, home / "admin-token")

@@ -21,8 +21,8 @@ def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str
 def test_doctor_checks_torch_device_and_model():
     result = run_cli("doctor")
     assert result.returncode == 0, result.stdout + result.stderr
-    for expected in ("torch", "NVIDIA GPU", "device", "cpu", "efficientnet_lite0 loaded and ran",
-                     "all checks passed"):
+    for expected in ("torch", "NVIDIA GPU", "device", "cpu", "efficientnet_lite0 loaded",
+                     "per image", "= budget", "x fraction", "all checks passed"):
         assert expected in result.stdout
 
 
@@ -65,3 +65,21 @@ def test_sigterm_stops_the_server_cleanly(tmp_path):
         assert server.process.wait(30) == 0
     log = server.log_text()
     assert "Traceback" not in log and "Shutting down" in log
+
+
+@pytest.mark.slow
+def test_gpu_check_script_runs_its_steps_on_the_cpu(tmp_path):
+    out = tmp_path / "check.json"
+    result = run_cli_module("bench.gpu_check", "--seconds", "1", "--max-batch-size", "4",
+                            "--out", str(out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "GPU CHECK PASSED" in result.stdout and "budget:" in result.stdout
+    report = __import__("json").loads(out.read_text())
+    assert report["forced_oom"]["answered"] == report["forced_oom"]["batch"]
+    assert report["forced_oom"]["oom_events"] >= 1
+    assert report["leak_bytes_after_recovery"] == 0
+
+
+def run_cli_module(module: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
