@@ -105,8 +105,8 @@ def test_budget_shrinks_when_others_take_memory_and_sheds_then_recovers(tmp_path
             del hog
         recovered = wait_for(client, lambda m: m["state"] == "ok")
         assert recovered["state"] == "ok" and recovered["state_changes"] >= 2
-        assert recovered["budget_bytes"] == recovered["configured_budget_bytes"] or \
-            recovered["budget_bytes"] > 200 * MiB
+        # other processes on this machine move too, so "back" means most of the way back
+        assert recovered["budget_bytes"] > recovered["configured_budget_bytes"] // 2
         assert client.post("/v1/classify", content=photo(), headers=JPEG).status_code == 200
 
 
@@ -138,3 +138,11 @@ def test_idle_release(tmp_path):
         released = wait_for(client, lambda m: m["idle_releases"] >= 1, timeout=6)
         assert released["idle_releases"] == 1
         assert client.post("/v1/classify", content=photo(), headers=JPEG).status_code == 200
+
+
+def test_allocator_history_needs_a_gpu(server):
+    with server.client() as client:
+        assert client.post("/v1/memory/record-history").status_code == 401
+        response = client.post("/v1/memory/record-history", params={"seconds": 1},
+                               headers=server.admin())
+    assert response.status_code == 409 and "GPU" in response.json()["error"]["message"]

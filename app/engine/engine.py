@@ -242,6 +242,7 @@ class InferenceEngine:
             "profile_points": [{"batch_size": b, "peak_bytes": p} for b, p in self.memory.points],
             "max_batch_now": guard.max_batch_now(self.probe.in_use()),
             "cpu_memory_cap_bytes": getattr(self.probe, "cap", None),
+            "process_used_bytes": self.probe.process_used(),
             "oom_events": counters.oom_events,
             "oom_recoveries": counters.oom_recoveries,
             "oom_failures": counters.oom_failures,

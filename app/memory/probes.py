@@ -9,6 +9,7 @@ plays the allocator.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -61,6 +62,10 @@ class CudaProbe:
             peak_allocated=torch.cuda.max_memory_allocated(self.device),
             peak_reserved=torch.cuda.max_memory_reserved(self.device),
             source=source)
+
+    def process_used(self) -> int | None:
+        """This process's use of the whole GPU, where the driver reports it (not WDDM)."""
+        return self.nvml.process_used(os.getpid()) if self.nvml else None
 
     def in_use(self) -> int:
         """Live activation bytes right now (beyond the weights)."""
@@ -124,6 +129,10 @@ class CpuProbe:
             free=memory.available, allocated=allocated, reserved=allocated,
             peak_allocated=peak, peak_reserved=self._peak_reserved,
             source="cpu-tracker" if self.tracker else "cpu")
+
+    def process_used(self) -> int | None:
+        """Resident memory of this process."""
+        return int(psutil.Process().memory_info().rss)
 
     def in_use(self) -> int:
         return self.tracker.live if self.tracker else 0
