@@ -103,9 +103,10 @@ def test_budget_shrinks_when_others_take_memory_and_sheds_then_recovers(tmp_path
             assert refused.status_code == 503 and "Retry-After" in refused.headers
         finally:
             del hog
-        recovered = wait_for(client, lambda m: m["state"] == "ok")
-        assert recovered["state"] == "ok" and recovered["state_changes"] >= 2
         # other processes on this machine move too, so "back" means most of the way back
+        recovered = wait_for(client, lambda m: m["state"] == "ok" and
+                             m["budget_bytes"] > m["configured_budget_bytes"] // 2)
+        assert recovered["state"] == "ok" and recovered["state_changes"] >= 2
         assert recovered["budget_bytes"] > recovered["configured_budget_bytes"] // 2
         assert client.post("/v1/classify", content=photo(), headers=JPEG).status_code == 200
 

@@ -48,6 +48,7 @@ class MemoryProfile:
 
     weights_bytes: int
     overhead_bytes: int
+    others_at_start: int
     fit: MemoryFit
     points: list[tuple[int, int]]
 
@@ -154,8 +155,9 @@ class InferenceEngine:
             points.append((size, probe.measure_peak(lambda b=batch: predictor(b))))
         probe.empty_cache()
         reading = probe.read()
-        overhead = reading.others
-        self.memory = MemoryProfile(probe.weights, overhead, fit_linear(points), points)
+        overhead = reading.overhead
+        self.memory = MemoryProfile(probe.weights, overhead, reading.others, fit_linear(points),
+                                    points)
         budget = Budget(total=reading.total, fraction=self.settings.memory_fraction,
                         weights=probe.weights, overhead=overhead,
                         cap=int(self.settings.memory_budget) if self.settings.memory_budget
@@ -190,7 +192,7 @@ class InferenceEngine:
         if self.guard is None or self.probe is None or self.memory is None:
             return None
         reading = self.probe.read()
-        self.guard.shrink_for_others(reading.others - self.memory.overhead_bytes)
+        self.guard.shrink_for_others(reading.others - self.memory.others_at_start)
         usage, self._peak_since_tick = max(self._peak_since_tick, self.probe.held()), 0
         self.guard.observe(usage)
         idle = time.monotonic() - self._last_activity

@@ -31,10 +31,17 @@ class MemoryReading:
     peak_allocated: int
     peak_reserved: int
     source: str
+    process: int
+
+    @property
+    def overhead(self) -> int:
+        """What the device uses that torch does not hold (context, libraries, others)."""
+        return max(0, self.used - self.reserved)
 
     @property
     def others(self) -> int:
-        return max(0, self.used - self.reserved)
+        """What other programs use: the figure whose growth shrinks the budget."""
+        return max(0, self.used - self.process)
 
 
 class CudaProbe:
@@ -61,7 +68,7 @@ class CudaProbe:
             reserved=torch.cuda.memory_reserved(self.device),
             peak_allocated=torch.cuda.max_memory_allocated(self.device),
             peak_reserved=torch.cuda.max_memory_reserved(self.device),
-            source=source)
+            source=source, process=self.process_used() or torch.cuda.memory_reserved(self.device))
 
     def process_used(self) -> int | None:
         """This process's use of the whole GPU, where the driver reports it (not WDDM)."""
@@ -128,9 +135,9 @@ class CpuProbe:
             device="cpu", total=memory.total, used=memory.total - memory.available,
             free=memory.available, allocated=allocated, reserved=allocated,
             peak_allocated=peak, peak_reserved=self._peak_reserved,
-            source="cpu-tracker" if self.tracker else "cpu")
+            source="cpu-tracker" if self.tracker else "cpu", process=self.process_used())
 
-    def process_used(self) -> int | None:
+    def process_used(self) -> int:
         """Resident memory of this process."""
         return int(psutil.Process().memory_info().rss)
 
