@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-cache", dest="cache", action="store_const", const=False,
                        help="Do not remember results (env VRAMGUARD_CACHE=0).")
     serve.add_argument("--log-level", help=fields["log_level"].description)
+    serve.add_argument("--allow-remote", action="store_const", const=True,
+                       help=fields["allow_remote"].description)
     serve.add_argument("--batch-size", type=int, help=fields["batch_size"].description)
     serve.add_argument("--cpu-memory-cap", help=fields["cpu_memory_cap"].description)
     serve.add_argument("--memory-fraction", type=float,
@@ -92,6 +94,12 @@ def serve(settings: Settings) -> int:
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if settings.host not in LOOPBACK:
+        if not settings.allow_remote:
+            print(f"vramguard: refusing to listen on {settings.host}: other computers could "
+                  "reach the appliance. Add --allow-remote (VRAMGUARD_ALLOW_REMOTE=1) if that "
+                  "is what you want, and list the names they use in allowed_hosts.",
+                  file=sys.stderr)
+            return 1
         print(f"vramguard: WARNING: listening on {settings.host}: other computers on the "
               "network can reach this appliance.", file=sys.stderr)
     try:

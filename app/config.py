@@ -101,6 +101,29 @@ class Settings(BaseSettings):
                                             "GPU (for testing OOM recovery).")
     idle_release_s: float = Field(60.0, ge=0, description="Give cached GPU memory back to "
                                   "other programs after this many idle seconds (0: never).")
+    allow_remote: bool = Field(False, description="Allow listening on an address other "
+                               "computers can reach (host other than 127.0.0.1/localhost).")
+    allowed_hosts: list[str] = Field(default_factory=list, description="Extra host names "
+                                     "accepted in the Host header (besides 127.0.0.1, "
+                                     "localhost and [::1]).")
+    cors_origins: list[str] = Field(default_factory=list, description="Web page origins "
+                                    "allowed to call the API (e.g. http://localhost:3000); "
+                                    "none by default.")
+    rate_limit: bool = Field(True, description="Limit how fast each client may send requests.")
+    classify_burst: int = Field(100, ge=1, description="Classify requests a client may send "
+                                "at once.")
+    classify_per_s: float = Field(50.0, gt=0, description="Classify requests per second a "
+                                  "client may keep sending.")
+    global_burst: int = Field(400, ge=1, description="Classify requests all clients together "
+                              "may send at once.")
+    global_per_s: float = Field(200.0, gt=0, description="Classify requests per second for "
+                                "all clients together.")
+    read_burst: int = Field(120, ge=1, description="Read-only requests (stats, memory, "
+                                "health) a client may send at once.")
+    read_per_s: float = Field(30.0, gt=0, description="Read-only requests per second per "
+                              "client.")
+    admin_burst: int = Field(10, ge=1, description="Admin requests a client may send at once.")
+    admin_per_s: float = Field(1.0, gt=0, description="Admin requests per second per client.")
     token_file: Path = Field(default_factory=default_token_file, description="File holding "
                              "the admin token (created at first start, owner-only).")
 

@@ -199,6 +199,7 @@ async def stats(request: Request) -> StatsResponse:
         expired_in_queue=batcher.stats.expired,
         withdrawn_in_queue=batcher.stats.cancelled,
         requests=state.stats.snapshot(),
+        rate_limited=state.limiter.rejected,
         cache_entries=await state.pool.run(len, state.cache) if state.cache is not None else None,
     )
 

@@ -63,4 +63,5 @@ class StatsResponse(BaseModel):
     expired_in_queue: int
     withdrawn_in_queue: int
     requests: dict[str, int] = Field(description="Answered requests by outcome code.")
+    rate_limited: int = Field(description="Requests refused with 429 since start.")
     cache_entries: int | None

@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse
 
 from app import __version__
@@ -20,6 +21,8 @@ from app.engine.engine import InferenceEngine
 from app.errors import ApiError, BadRequest, InternalError, MethodNotAllowed, NotFound
 from app.guard.admin_token import load_or_create_token
 from app.guard.body_limit import BodySizeLimit
+from app.guard.host_origin import HostOriginGuard
+from app.guard.rate_limit import Rate, RateLimiter, RateLimitMiddleware
 from app.memory_routes import router as memory_router
 from app.routes import router
 from app.state import AppState
@@ -97,6 +100,14 @@ async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         "Something went wrong inside vramguard. The details are in its log."))
 
 
+def make_limiter(settings: Settings) -> RateLimiter:
+    return RateLimiter(
+        per_client={"classify": Rate(settings.classify_burst, settings.classify_per_s),
+                    "read": Rate(settings.read_burst, settings.read_per_s),
+                    "admin": Rate(settings.admin_burst, settings.admin_per_s)},
+        global_rates={"classify": Rate(settings.global_burst, settings.global_per_s)})
+
+
 def create_app(settings: Settings) -> FastAPI:
     """Build the app; the model loads when the app starts (lifespan), not here."""
     app = FastAPIOffline(
@@ -114,10 +125,20 @@ def create_app(settings: Settings) -> FastAPI:
         cache=cache,
         stats=RequestStats(),
         admin_token=load_or_create_token(settings.token_file),
+        limiter=make_limiter(settings),
     )
     app.include_router(router)
     app.include_router(memory_router)
+    # Added innermost first: Host/Origin check, then rate limit, then CORS, then body size.
     app.add_middleware(BodySizeLimit, max_bytes=int(settings.max_body_bytes))
+    if settings.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins,
+                           allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type", "X-Client-Id"])
+    if settings.rate_limit:
+        app.add_middleware(RateLimitMiddleware, limiter=app.state.vg.limiter)
+    app.add_middleware(HostOriginGuard, port=settings.port, extra_hosts=settings.allowed_hosts,
+                       allowed_origins=settings.cors_origins)
     app.add_exception_handler(ApiError, _on_api_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(HTTPException, _on_http_error)

@@ -23,10 +23,12 @@ def _isolated_user_dirs(tmp_path_factory, monkeypatch):
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
-    """One real server for the session: default model, result cache off."""
+    """One real server for the session: default model, result cache off, no rate limit
+    (tests of their own check the limiter)."""
     from live_server import live_server
 
-    with live_server(tmp_path_factory.mktemp("server"), "--no-cache") as running:
+    with live_server(tmp_path_factory.mktemp("server"), "--no-cache",
+                     env={"VRAMGUARD_RATE_LIMIT": "0"}) as running:
         yield running
 
 
@@ -35,5 +37,6 @@ def cached_server(tmp_path_factory):
     """A second real server with the result cache on."""
     from live_server import live_server
 
-    with live_server(tmp_path_factory.mktemp("cached")) as running:
+    with live_server(tmp_path_factory.mktemp("cached"),
+                     env={"VRAMGUARD_RATE_LIMIT": "0"}) as running:
         yield running

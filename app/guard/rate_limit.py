@@ -1,0 +1,197 @@
+"""In-process token buckets: one per client and route family, plus one global bucket.
+
+A client is its peer address plus an optional ``X-Client-Id`` header (desktop
+apps on the same machine share 127.0.0.1, so they may name themselves). A
+denied request gets 429 with ``Retry-After`` (seconds until one token, rounded
+up) and the ``RateLimit-*`` headers.
+
+Decision: a rejected request costs no token. Otherwise a client that keeps
+retrying too early would starve itself for ever; with this rule, honouring
+``Retry-After`` always works.
+
+Memory is bounded: buckets of clients idle long enough to be full again are
+dropped, and at most ``max_clients`` are kept (the least recently seen go).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.errors import ApiError
+
+_CLIENT_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_EPSILON = 1e-9  # float refill arithmetic must not deny a token that is due
+
+
+@dataclass(frozen=True)
+class Rate:
+    """``burst`` tokens at most, refilled at ``per_second``."""
+
+    burst: int
+    per_second: float
+
+
+class TokenBucket:
+    def __init__(self, rate: Rate, now: float) -> None:
+        self.rate = rate
+        self.tokens = float(rate.burst)
+        self.updated = now
+
+    def _refill(self, now: float) -> None:
+        elapsed = max(0.0, now - self.updated)
+        self.tokens = min(self.rate.burst, self.tokens + elapsed * self.rate.per_second)
+        self.updated = now
+
+    def try_take(self, now: float) -> bool:
+        self._refill(now)
+        if self.tokens >= 1 - _EPSILON:
+            self.tokens = max(0.0, self.tokens - 1)
+            return True
+        return False
+
+    def seconds_until_token(self, now: float) -> float:
+        self._refill(now)
+        if self.tokens >= 1 - _EPSILON:
+            return 0.0
+        return (1 - self.tokens) / self.rate.per_second
+
+    def seconds_until_full(self, now: float) -> float:
+        self._refill(now)
+        return (self.rate.burst - self.tokens) / self.rate.per_second
+
+    def remaining(self) -> int:
+        return int(self.tokens)
+
+
+class RateLimited(ApiError):
+    status, code = 429, "rate_limited"
+
+    def __init__(self, message: str, *, retry_after: float, limit: int, reset: float) -> None:
+        super().__init__(message, retry_after=retry_after)
+        self.limit = limit
+        self.reset = reset
+
+    def headers(self) -> dict[str, str]:
+        return {**super().headers(), "RateLimit-Limit": str(self.limit),
+                "RateLimit-Remaining": "0", "RateLimit-Reset": str(math.ceil(self.reset))}
+
+
+@dataclass(frozen=True)
+class Decision:
+    allowed: bool
+    limit: int
+    remaining: int
+    reset: float
+    retry_after: float = 0.0
+
+
+class RateLimiter:
+    """Buckets per (family, client) and one global bucket per family; thread-safe."""
+
+    def __init__(self, per_client: dict[str, Rate], global_rates: dict[str, Rate],
+                 clock: Callable[[], float] = time.monotonic, max_clients: int = 4096) -> None:
+        self.per_client = per_client
+        self.global_rates = global_rates
+        self.clock = clock
+        self.max_clients = max_clients
+        self._clients: OrderedDict[tuple[str, str], TokenBucket] = OrderedDict()
+        self._globals = {family: TokenBucket(rate, clock()) for family, rate in
+                         global_rates.items()}
+        self._lock = threading.Lock()
+        self.rejected = 0
+
+    def check(self, family: str, client: str) -> Decision:
+        """Take a token from the client's and the global bucket, or say how long to wait."""
+        rate = self.per_client.get(family)
+        if rate is None:
+            return Decision(True, 0, 0, 0.0)
+        with self._lock:
+            now = self.clock()
+            bucket = self._clients.pop((family, client), None) or TokenBucket(rate, now)
+            self._clients[(family, client)] = bucket
+            self._expire(now)
+            shared = self._globals.get(family)
+            blocked = [b for b in (bucket, shared) if b is not None and b.seconds_until_token(now)]
+            if blocked:
+                self.rejected += 1
+                wait = max(b.seconds_until_token(now) for b in blocked)
+                return Decision(False, rate.burst, 0, bucket.seconds_until_full(now), wait)
+            bucket.try_take(now)
+            if shared is not None:
+                shared.try_take(now)
+            return Decision(True, rate.burst, bucket.remaining(), bucket.seconds_until_full(now))
+
+    def _expire(self, now: float) -> None:
+        """Drop buckets that have refilled completely (they hold no state worth keeping),
+        oldest first, and any beyond ``max_clients``; never the one just used."""
+        while len(self._clients) > 1:
+            key, oldest = next(iter(self._clients.items()))
+            if len(self._clients) <= self.max_clients and oldest.seconds_until_full(now) > 0:
+                return
+            del self._clients[key]
+
+    def __len__(self) -> int:
+        return len(self._clients)
+
+
+def route_family(method: str, path: str) -> str:
+    """classify, admin (state-changing /v1 calls) or read (everything else)."""
+    if path == "/v1/classify":
+        return "classify"
+    if method == "POST" and path.startswith("/v1/"):
+        return "admin"
+    return "read"
+
+
+def client_key(scope: Scope) -> str:
+    peer = scope.get("client") or ("unknown", 0)
+    for name, value in scope["headers"]:
+        if name == b"x-client-id":
+            claimed = value.decode("latin-1")
+            if _CLIENT_ID.match(claimed):
+                return f"{peer[0]}/{claimed}"
+    return str(peer[0])
+
+
+class RateLimitMiddleware:
+    """ASGI middleware: 429 before anything else is done for a request over its rate."""
+
+    def __init__(self, app: ASGIApp, limiter: RateLimiter) -> None:
+        self.app = app
+        self.limiter = limiter
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        decision = self.limiter.check(route_family(scope["method"], scope["path"]),
+                                      client_key(scope))
+        if not decision.allowed:
+            error = RateLimited("Too many requests. Wait for the number of seconds in "
+                                "Retry-After, then send again.",
+                                retry_after=decision.retry_after, limit=decision.limit,
+                                reset=decision.reset)
+            await error.response()(scope, receive, send)
+            return
+        if not decision.limit:
+            await self.app(scope, receive, send)
+            return
+
+        async def with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"],
+                                      (b"ratelimit-limit", str(decision.limit).encode()),
+                                      (b"ratelimit-remaining", str(decision.remaining).encode()),
+                                      (b"ratelimit-reset", str(math.ceil(decision.reset)).encode())]
+            await send(message)
+
+        await self.app(scope, receive, with_headers)

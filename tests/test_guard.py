@@ -1,0 +1,122 @@
+"""Token buckets with a fake clock; Host and Origin parsing."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.guard.host_origin import HostOriginGuard, split_host
+from app.guard.rate_limit import Rate, RateLimited, RateLimiter, client_key, route_family
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def limiter(clock: FakeClock, burst: int = 3, per_second: float = 1.0,
+            global_rate: Rate | None = None, max_clients: int = 4096) -> RateLimiter:
+    return RateLimiter({"classify": Rate(burst, per_second)},
+                       {"classify": global_rate} if global_rate else {}, clock=clock,
+                       max_clients=max_clients)
+
+
+def test_burst_then_refill():
+    clock = FakeClock()
+    rl = limiter(clock)
+    assert [rl.check("classify", "a").allowed for _ in range(4)] == [True, True, True, False]
+    clock.now += 0.5
+    assert not rl.check("classify", "a").allowed
+    clock.now += 0.5
+    assert rl.check("classify", "a").allowed
+    assert not rl.check("classify", "a").allowed
+
+
+def test_retry_after_arithmetic():
+    clock = FakeClock()
+    rl = limiter(clock, burst=2, per_second=0.25)  # one token every 4 s
+    rl.check("classify", "a")
+    rl.check("classify", "a")
+    clock.now += 1.0
+    denied = rl.check("classify", "a")
+    assert not denied.allowed and denied.retry_after == pytest.approx(3.0)
+    error = RateLimited("x", retry_after=denied.retry_after, limit=denied.limit,
+                        reset=denied.reset)
+    headers = error.headers()
+    assert headers["Retry-After"] == "3" and headers["RateLimit-Limit"] == "2"
+    assert headers["RateLimit-Remaining"] == "0" and headers["RateLimit-Reset"] == "7"
+    assert error.status == 429
+
+
+def test_rejections_cost_no_token():
+    clock = FakeClock()
+    rl = limiter(clock, burst=1, per_second=1.0)
+    assert rl.check("classify", "a").allowed
+    for _ in range(50):  # an impatient client hammering
+        clock.now += 0.01
+        assert not rl.check("classify", "a").allowed
+    clock.now += 0.5  # 1 s after its last success: honouring Retry-After works
+    assert rl.check("classify", "a").allowed
+    assert rl.rejected == 50
+
+
+def test_clients_are_separate_but_share_the_global_bucket():
+    clock = FakeClock()
+    rl = limiter(clock, burst=2, global_rate=Rate(3, 1.0))
+    assert rl.check("classify", "a").allowed and rl.check("classify", "a").allowed
+    assert not rl.check("classify", "a").allowed
+    assert rl.check("classify", "b").allowed
+    assert not rl.check("classify", "b").allowed  # b has a token, the global bucket not
+
+
+def test_idle_buckets_expire_and_memory_is_bounded():
+    clock = FakeClock()
+    rl = limiter(clock, burst=2, per_second=1.0, max_clients=100)
+    for i in range(1000):
+        rl.check("classify", f"client-{i}")
+    assert len(rl) <= 100
+    clock.now += 10  # every bucket is full again
+    rl.check("classify", "late")
+    assert len(rl) == 1
+
+
+def test_families_and_keys():
+    assert route_family("POST", "/v1/classify") == "classify"
+    assert route_family("POST", "/v1/memory/empty-cache") == "admin"
+    assert route_family("GET", "/v1/memory") == "read"
+    scope = {"client": ("127.0.0.1", 5000), "headers": [(b"x-client-id", b"photo-app")]}
+    assert client_key(scope) == "127.0.0.1/photo-app"
+    scope["headers"] = [(b"x-client-id", b"bad id with spaces")]
+    assert client_key(scope) == "127.0.0.1"
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    ("127.0.0.1:8765", ("127.0.0.1", 8765)),
+    ("[::1]:8765", ("::1", 8765)),
+    ("[::1]", ("::1", None)),
+    ("LocalHost:8765", ("localhost", 8765)),
+    ("evil.example", ("evil.example", None)),
+    ("::1:8765", None),
+    ("[::1", None),
+    ("[::1]x", None),
+    ("localhost:abc", None),
+    ("", None),
+])
+def test_split_host(value, expected):
+    assert split_host(value) == expected
+
+
+def test_host_and_origin_rules():
+    guard = HostOriginGuard(app=None, port=8765, extra_hosts=["myhost.lan"],  # type: ignore[arg-type]
+                            allowed_origins=["http://localhost:3000"])
+    for ok in ("127.0.0.1:8765", "localhost:8765", "[::1]:8765", "myhost.lan:8765"):
+        assert guard.host_allowed(ok)
+    for bad in ("evil.example", "evil.example:8765", "127.0.0.1:9999", "127.0.0.1", None,
+                "127.0.0.1.evil.example:8765"):
+        assert not guard.host_allowed(bad)
+    assert guard.origin_allowed("http://localhost:3000")
+    assert guard.origin_allowed("http://127.0.0.1:8765")  # our own /docs page
+    for bad in ("https://evil.example", "null", "http://localhost:3001", "file://"):
+        assert not guard.origin_allowed(bad)
