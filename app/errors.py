@@ -70,6 +70,10 @@ class NotReady(ApiError):
     status, code = 503, "not_ready"
 
 
+class Paused(ApiError):
+    status, code = 503, "paused"
+
+
 class InsufficientMemory(ApiError):
     status, code = 503, "insufficient_memory"
 

@@ -17,6 +17,7 @@ from app.engine.predictor import Ranked, Sample
 from app.errors import (
     ApiError,
     BadRequest,
+    DeadlineExceeded,
     NotFound,
     NotReady,
     UnsupportedMediaType,
@@ -132,13 +133,18 @@ async def classify(
     if not engine.ready or engine.model is None:
         raise NotReady(engine.not_ready_message(), retry_after=5)
     started = time.perf_counter()
+    deadline = time.monotonic() + state.settings.request_timeout_s
     data = await read_upload(request)
-    key, ranked, pixels = await state.pool.run(_prepare, state, data)
+    key, ranked, pixels = await state.pool.run_before(deadline, _prepare, state, data)
     prepared = time.perf_counter()
     batch_size = 0
     if ranked is None:
         assert pixels is not None
-        work = asyncio.ensure_future(engine.classify(Sample(pixels, top_k)))
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded("vramguard is too busy to look at this image in time. "
+                                   "Try again shortly.", retry_after=2)
+        work = asyncio.ensure_future(engine.classify(Sample(pixels, top_k), left))
         prediction = await unless_disconnected(request, work)
         ranked, batch_size = prediction.ranked, prediction.batch_size
         if key is not None and state.cache is not None:
@@ -190,6 +196,7 @@ async def stats(request: Request) -> StatsResponse:
     return StatsResponse(
         uptime_s=round(state.stats.uptime_s, 3),
         phase=state.engine.phase.value,
+        paused=state.engine.paused,
         queue_depth=batcher.queue_depth,
         in_flight=batcher.in_flight,
         batches=batcher.stats.batches,

@@ -54,6 +54,7 @@ class ErrorResponse(BaseModel):
 class StatsResponse(BaseModel):
     uptime_s: float
     phase: str
+    paused: bool
     queue_depth: int
     in_flight: int
     batches: int

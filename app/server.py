@@ -15,6 +15,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse
 
 from app import __version__
+from app.admin_routes import router as admin_router
 from app.cache import ResultCache
 from app.config import Settings
 from app.engine.engine import InferenceEngine
@@ -129,8 +130,10 @@ def create_app(settings: Settings) -> FastAPI:
     )
     app.include_router(router)
     app.include_router(memory_router)
+    app.include_router(admin_router)
     # Added innermost first: Host/Origin check, then rate limit, then CORS, then body size.
-    app.add_middleware(BodySizeLimit, max_bytes=int(settings.max_body_bytes))
+    app.add_middleware(BodySizeLimit, max_bytes=int(settings.max_body_bytes),
+                       max_inflight_bytes=int(settings.max_inflight_body_bytes))
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins,
                            allow_methods=["GET", "POST"],

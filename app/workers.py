@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import ParamSpec, TypeVar
 
 import psutil
+
+from app.errors import DeadlineExceeded
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -37,6 +40,23 @@ class CpuPool:
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(self._executor,
                                               functools.partial(fn, *args, **kwargs))
+
+    async def run_before(self, deadline: float, fn: Callable[P, T], *args: P.args,
+                         **kwargs: P.kwargs) -> T:
+        """Like ``run``, but give up with DeadlineExceeded if no slot frees before
+        ``deadline`` (time.monotonic). A job that has started always finishes."""
+        try:
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                await self._slots.acquire()
+        except TimeoutError:
+            raise DeadlineExceeded("vramguard is too busy to look at this image in time. "
+                                   "Try again shortly.", retry_after=2) from None
+        try:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._executor,
+                                              functools.partial(fn, *args, **kwargs))
+        finally:
+            self._slots.release()
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)

@@ -24,10 +24,11 @@ def _isolated_user_dirs(tmp_path_factory, monkeypatch):
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
     """One real server for the session: default model, result cache off, no rate limit
-    (tests of their own check the limiter)."""
+    (tests of their own check the limiter), batch size 4 (warmup's own choice depends on
+    how busy the machine is while it measures; its logic has unit tests)."""
     from live_server import live_server
 
-    with live_server(tmp_path_factory.mktemp("server"), "--no-cache",
+    with live_server(tmp_path_factory.mktemp("server"), "--no-cache", "--batch-size", "4",
                      env={"VRAMGUARD_RATE_LIMIT": "0"}) as running:
         yield running
 

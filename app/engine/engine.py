@@ -21,7 +21,7 @@ from app.engine.device import resolve_device
 from app.engine.oom import OomRecovery, Outcome
 from app.engine.predictor import Prediction, Predictor, Sample
 from app.engine.warmup import WarmupProfile, batch_sizes, profile
-from app.errors import NotReady
+from app.errors import NotReady, Paused
 from app.memory.budget import Budget
 from app.memory.fit import MemoryFit, fit_linear
 from app.memory.guard import GuardState, MemoryGuard
@@ -76,6 +76,7 @@ class InferenceEngine:
         self._peak_since_tick = 0
         self._last_activity = time.monotonic()
         self._released = True
+        self.paused = False
         wait_s = settings.max_wait_ms / 1000 if settings.max_wait_ms is not None else (
             GPU_DEFAULT_WAIT_S if self.device.type == "cuda" else 0.0)
         self.batcher: MicroBatcher[Sample, Outcome] = MicroBatcher(
@@ -111,12 +112,16 @@ class InferenceEngine:
         self.phase = Phase.STOPPED
         self.batcher.stop()
 
-    async def classify(self, sample: Sample) -> Prediction:
-        """Queue one preprocessed image; raises Overloaded / DeadlineExceeded when busy."""
+    async def classify(self, sample: Sample, timeout_s: float) -> Prediction:
+        """Queue one preprocessed image for at most ``timeout_s``; raises Overloaded /
+        DeadlineExceeded when busy, Paused while paused."""
         if not self.ready:
             raise NotReady(self.not_ready_message(), retry_after=5)
+        if self.paused:
+            raise Paused("vramguard is paused. Resume it from the tray or with "
+                         "POST /v1/admin/resume.", retry_after=30)
         self._last_activity = time.monotonic()
-        outcome = await self.batcher.infer(sample, self.settings.request_timeout_s)
+        outcome = await self.batcher.infer(sample, timeout_s)
         assert isinstance(outcome, Prediction)
         return outcome
 
