@@ -15,6 +15,7 @@ from app import __version__
 from app.config import ConfigError, Settings, load_settings
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+KEEP_ALIVE_S = 30
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
@@ -116,8 +117,12 @@ def serve(settings: Settings) -> int:
     # turns that into a normal exit (status 0) instead of death by signal.
     for stop_signal in (signal.SIGINT, signal.SIGTERM):
         signal.signal(stop_signal, _exit_cleanly)
+    # Keep-alive longer than common clients' own (httpx 5 s, aiohttp 15 s), so that it is
+    # the client that closes an idle connection: otherwise a request sent just as the
+    # server closes it fails with "server disconnected" (seen in the overload test).
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, workers=1,
-                log_level=settings.log_level, timeout_graceful_shutdown=10)
+                log_level=settings.log_level, timeout_graceful_shutdown=10,
+                timeout_keep_alive=KEEP_ALIVE_S)
     return 0
 
 

@@ -5,14 +5,18 @@ byte of the body is read; a chunked or lying body is cut off as soon as the
 bytes received pass the limit. The bytes of all bodies being received or
 held by requests in progress are capped too: past the cap, new uploads get
 503 with ``Retry-After`` before they are read, so a flood of uploads cannot
-fill memory. (One event loop runs this: no lock is needed.)
+fill memory. Refused bodies are read through and dropped chunk by chunk (never
+held) so the client gets the answer instead of a reset connection. (One event
+loop runs this: no lock is needed.)
 """
 
 from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.errors import Overloaded, PayloadTooLarge
+from app.errors import ApiError, Overloaded, PayloadTooLarge
+
+DRAIN_FACTOR = 4  # refused bodies up to 4x the size limit are read through, not reset
 
 
 def too_large(limit: int) -> PayloadTooLarge:
@@ -23,6 +27,21 @@ def too_large(limit: int) -> PayloadTooLarge:
 def too_many_uploads() -> Overloaded:
     return Overloaded("vramguard is receiving too many images at once. Try again shortly.",
                       retry_after=1)
+
+
+async def refuse(error: ApiError, scope: Scope, receive: Receive, send: Send,
+                 declared: int, drain_limit: int) -> None:
+    """Answer ``error`` without keeping the body: read it through and drop each chunk.
+
+    Answering while the client is still sending makes the server close the
+    connection, and the client sees a reset instead of the answer.
+    """
+    if declared <= drain_limit:
+        while True:
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                break
+    await error.response()(scope, receive, send)
 
 
 def declared_length(scope: Scope) -> int:
@@ -50,11 +69,12 @@ class BodySizeLimit:
             await self.app(scope, receive, send)
             return
         declared = declared_length(scope)
+        drain_limit = DRAIN_FACTOR * self.max_bytes
         if declared > self.max_bytes:
-            await too_large(self.max_bytes).response()(scope, receive, send)
+            await refuse(too_large(self.max_bytes), scope, receive, send, declared, drain_limit)
             return
         if declared and self.inflight + declared > self.max_inflight_bytes:
-            await too_many_uploads().response()(scope, receive, send)
+            await refuse(too_many_uploads(), scope, receive, send, declared, drain_limit)
             return
         held = declared
         self.inflight += held
