@@ -76,7 +76,7 @@ class Settings(BaseSettings):
                                      "this many seconds gets 503 instead of being computed.")
     max_body_bytes: ByteSize = Field(ByteSize(32 * 1024**2), gt=0,
                                      description="Largest accepted upload (e.g. 32MiB).")
-    max_inflight_body_bytes: ByteSize = Field(ByteSize(512 * 1024**2), gt=0,
+    max_inflight_body_bytes: ByteSize = Field(ByteSize(128 * 1024**2), gt=0,
                                               description="Most upload bytes held by all "
                                               "requests in progress together; beyond it, 503.")
     max_image_pixels: int = Field(40_000_000, gt=0, description="Largest accepted image in "

@@ -2,7 +2,8 @@
 
 Sized from the physical core count; a semaphore bounds how many jobs may be
 queued for it, so a flood waits here (cheaply, on the event loop) instead of
-piling work into an unbounded executor queue.
+piling work into an unbounded executor queue, and the number allowed to wait
+is bounded too: past it, the answer is an immediate 503.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import ParamSpec, TypeVar
 
 import psutil
 
-from app.errors import DeadlineExceeded
+from app.errors import DeadlineExceeded, Overloaded
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -30,10 +31,13 @@ def physical_cores() -> int:
 class CpuPool:
     """A thread pool with a bounded backlog; ``run`` awaits a slot, then the job."""
 
-    def __init__(self, workers: int | None = None, backlog_per_worker: int = 4) -> None:
+    def __init__(self, workers: int | None = None, backlog_per_worker: int = 4,
+                 waiting_per_worker: int = 16) -> None:
         self.workers = workers or physical_cores()
         self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix="vramguard-cpu")
         self._slots = asyncio.Semaphore(self.workers * backlog_per_worker)
+        self.max_waiting = self.workers * waiting_per_worker
+        self.waiting = 0
 
     async def run(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         async with self._slots:
@@ -43,14 +47,21 @@ class CpuPool:
 
     async def run_before(self, deadline: float, fn: Callable[P, T], *args: P.args,
                          **kwargs: P.kwargs) -> T:
-        """Like ``run``, but give up with DeadlineExceeded if no slot frees before
-        ``deadline`` (time.monotonic). A job that has started always finishes."""
+        """Like ``run``, but refuse at once (Overloaded) when too many jobs already wait
+        for a slot, and give up (DeadlineExceeded) if none frees before ``deadline``
+        (time.monotonic). A job that has started always finishes."""
+        if self._slots.locked() and self.waiting >= self.max_waiting:
+            raise Overloaded("vramguard is busy: too many images are waiting to be opened. "
+                             "Try again shortly.", retry_after=1)
+        self.waiting += 1
         try:
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                 await self._slots.acquire()
         except TimeoutError:
             raise DeadlineExceeded("vramguard is too busy to look at this image in time. "
                                    "Try again shortly.", retry_after=2) from None
+        finally:
+            self.waiting -= 1
         try:
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(self._executor,

@@ -206,3 +206,17 @@ def test_stop_fails_queued_requests_and_refuses_new_ones(make):
     stopper.join(5)
     assert running.result(5) == "out:blocker"
     assert not batcher.thread.is_alive()
+
+
+def test_a_wait_longer_than_the_deadline_is_refused_at_once(make):
+    model = FakeModel()
+    batcher = make(model, max_batch=1, queue_size=100)
+    batcher.set_service_rate(2.0)  # half a second per image
+    hold_busy(model, batcher)
+    accepted = [batcher.submit(i, timeout_s=2.0) for i in range(3)]  # waits 0.5, 1.0, 1.5 s
+    with pytest.raises(Overloaded) as info:
+        batcher.submit("late", timeout_s=2.0)  # would wait 2.0 s: not within its deadline
+    assert info.value.headers() == {"Retry-After": "2"}
+    assert batcher.submit("patient", timeout_s=10.0) is not None  # a longer deadline fits
+    model.gate.set()
+    assert [f.result(5) for f in accepted] == ["out:0", "out:1", "out:2"]

@@ -35,6 +35,7 @@ def large_jpeg() -> bytes:
 async def flood(url: str, body: bytes, pid: int) -> dict:
     statuses: Counter[str] = Counter()
     ok_latencies: list[float] = []
+    all_latencies: list[float] = []
     missing_retry_after = 0
     peak_rss = 0
     end = time.monotonic() + FLOOD_S
@@ -55,6 +56,7 @@ async def flood(url: str, body: bytes, pid: int) -> dict:
                 statuses[type(exc).__name__] += 1
                 continue
             statuses[str(status)] += 1
+            all_latencies.append(time.monotonic() - started)
             if status == 200:
                 ok_latencies.append(time.monotonic() - started)
             elif status in (429, 503):
@@ -74,7 +76,7 @@ async def flood(url: str, body: bytes, pid: int) -> dict:
         watcher = asyncio.ensure_future(watch())
         await asyncio.gather(*(client(i, session) for i in range(CLIENTS)))
         watcher.cancel()
-    return {"statuses": statuses, "ok_latencies": ok_latencies,
+    return {"statuses": statuses, "ok_latencies": ok_latencies, "all": sorted(all_latencies),
             "missing_retry_after": missing_retry_after, "peak_rss": peak_rss}
 
 
@@ -84,8 +86,10 @@ def test_flood_of_512_clients_is_answered_in_time(tmp_path):
     with live_server(tmp_path, "--no-cache") as running:
         result = asyncio.run(flood(running.url, body, running.process.pid))
         statuses = result["statuses"]
+        every = result["all"]
         print(f"\nflood: {dict(statuses)}, peak RSS {result['peak_rss'] / 1024**2:.0f} MiB, "
-              f"slowest 200 {max(result['ok_latencies'], default=0):.1f} s")
+              f"slowest 200 {max(result['ok_latencies'], default=0):.1f} s, all answers "
+              f"p50 {every[len(every) // 2]:.2f} s p99 {every[int(len(every) * 0.99)]:.2f} s")
         assert set(statuses) <= {"200", "429", "503"}, statuses  # no client timed out
         assert statuses["200"] > 0
         assert result["missing_retry_after"] == 0
@@ -93,6 +97,7 @@ def test_flood_of_512_clients_is_answered_in_time(tmp_path):
         assert result["peak_rss"] < RSS_BOUND
         assert running.process.poll() is None
         with running.client() as client:
+            print("server outcomes:", client.get("/v1/stats").json()["requests"])
             after = client.post("/v1/classify", content=photo(),
                                 headers={"Content-Type": "image/jpeg"})
             assert after.status_code == 200

@@ -143,16 +143,22 @@ class MicroBatcher(Generic[P, R]):
 
     def retry_after(self) -> float:
         """Seconds until the current queue should have drained (at least 1)."""
-        return max(1.0, (len(self._queue) + self._in_flight) * self._seconds_per_item)
+        return max(1.0, self.predicted_wait())
+
+    def predicted_wait(self) -> float:
+        """Seconds a request queued now would wait, at the measured service rate."""
+        return (len(self._queue) + self._in_flight) * self._seconds_per_item
 
     def submit(self, payload: P, timeout_s: float) -> Future[R]:
-        """Queue ``payload``; raise Overloaded at once when the queue is full."""
+        """Queue ``payload``; raise Overloaded at once when the queue is full or the wait
+        it predicts is longer than ``timeout_s`` (a fast no beats a slow one)."""
         now = self._clock()
         item: WorkItem[P, R] = WorkItem(payload, now, now + timeout_s)
         with self._cond:
             if self._stopping:
                 raise Overloaded("vramguard is shutting down.", retry_after=5)
-            if len(self._queue) >= self._queue_size:
+            own_turn = self.predicted_wait() + self._seconds_per_item
+            if len(self._queue) >= self._queue_size or own_turn > timeout_s:
                 raise Overloaded("vramguard is busy: too many images are waiting. "
                                  "Try again shortly.", retry_after=self.retry_after())
             self._queue.append(item)
