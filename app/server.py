@@ -122,7 +122,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.vg = AppState(
         settings=settings,
         engine=InferenceEngine(settings),
-        pool=CpuPool(settings.decode_workers),
+        pool=CpuPool(settings.decode_workers, max_waiting=settings.queue_size),
         cache=cache,
         stats=RequestStats(),
         admin_token=load_or_create_token(settings.token_file),
