@@ -10,6 +10,8 @@ from typing import Annotated, Any
 
 import torch
 from fastapi import APIRouter, Query, Request
+from fastapi.responses import PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import UploadFile
 
 from app.cache import cache_key
@@ -209,6 +211,11 @@ async def stats(request: Request) -> StatsResponse:
         rate_limited=state.limiter.rejected,
         cache_entries=await state.pool.run(len, state.cache) if state.cache is not None else None,
     )
+
+
+@router.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)
+async def metrics(request: Request) -> Response:
+    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/healthz", summary="The process is up")

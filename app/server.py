@@ -25,6 +25,7 @@ from app.guard.body_limit import BodySizeLimit
 from app.guard.host_origin import HostOriginGuard
 from app.guard.rate_limit import Rate, RateLimiter, RateLimitMiddleware
 from app.memory_routes import router as memory_router
+from app.metrics import Metrics, MetricsMiddleware
 from app.routes import router
 from app.state import AppState
 from app.stats import RequestStats
@@ -131,7 +132,8 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(router)
     app.include_router(memory_router)
     app.include_router(admin_router)
-    # Added innermost first: Host/Origin check, then rate limit, then CORS, then body size.
+    # Added innermost first. Outermost to innermost: metrics, Host/Origin check, rate limit,
+    # CORS, body size.
     app.add_middleware(BodySizeLimit, max_bytes=int(settings.max_body_bytes),
                        max_inflight_bytes=int(settings.max_inflight_body_bytes))
     if settings.cors_origins:
@@ -142,6 +144,8 @@ def create_app(settings: Settings) -> FastAPI:
         app.add_middleware(RateLimitMiddleware, limiter=app.state.vg.limiter)
     app.add_middleware(HostOriginGuard, port=settings.port, extra_hosts=settings.allowed_hosts,
                        allowed_origins=settings.cors_origins)
+    app.state.metrics = Metrics(app.state.vg)
+    app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     app.add_exception_handler(ApiError, _on_api_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(HTTPException, _on_http_error)

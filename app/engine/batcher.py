@@ -16,7 +16,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -50,6 +50,7 @@ class BatcherStats:
     cancelled: int = 0
     failed_batches: int = 0
     largest_batch: int = 0
+    sizes: Counter[int] = field(default_factory=Counter)
 
     @property
     def mean_batch_size(self) -> float:
@@ -277,6 +278,7 @@ class MicroBatcher(Generic[P, R]):
             self.stats.batches += 1
             self.stats.items += len(batch)
             self.stats.largest_batch = max(self.stats.largest_batch, len(batch))
+            self.stats.sizes[len(batch)] += 1
             self._in_flight = 0
 
     @staticmethod

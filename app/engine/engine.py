@@ -77,6 +77,7 @@ class InferenceEngine:
         self._last_activity = time.monotonic()
         self._released = True
         self.paused = False
+        self.last_report: dict[str, object] = {}
         wait_s = settings.max_wait_ms / 1000 if settings.max_wait_ms is not None else (
             GPU_DEFAULT_WAIT_S if self.device.type == "cuda" else 0.0)
         self.batcher: MicroBatcher[Sample, Outcome] = MicroBatcher(
@@ -206,6 +207,7 @@ class InferenceEngine:
             self.release()
             self.guard.counters.idle_releases += 1
             log.info("idle for %.0f s: cached memory given back", idle)
+        self.last_report = self.memory_report()
         return reading
 
     def release(self) -> tuple[int, int]:

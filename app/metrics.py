@@ -1,0 +1,150 @@
+"""Prometheus metrics (`GET /metrics`), each app with its own registry.
+
+Request counts and latencies are recorded by a small ASGI middleware, so
+refusals made before any route runs (403, 429, 413, 503 for uploads) are
+counted too. Memory, queue and guard figures are read at scrape time from the
+snapshot the memory monitor takes every second: scraping never touches the
+device.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.guard.rate_limit import route_family
+
+if TYPE_CHECKING:
+    from app.state import AppState
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 15, 30)
+MEMORY_GAUGES = {
+    "device_memory_total_bytes": ("total_bytes", "Memory of the whole device."),
+    "device_memory_used_bytes": ("used_bytes", "Memory in use on the device, all programs."),
+    "device_memory_free_bytes": ("free_bytes", "Free memory on the device."),
+    "torch_allocated_bytes": ("allocated_bytes", "Bytes held by live tensors."),
+    "torch_reserved_bytes": ("reserved_bytes", "Bytes held by PyTorch's allocator."),
+    "torch_peak_allocated_bytes": ("peak_allocated_bytes", "Peak of allocated since reset."),
+    "torch_peak_reserved_bytes": ("peak_reserved_bytes", "Peak of reserved since reset."),
+    "memory_budget_bytes": ("budget_bytes", "Current memory budget for images in flight."),
+    "memory_low_watermark_bytes": ("low_watermark_bytes", "Below this, shedding ends."),
+    "memory_high_watermark_bytes": ("high_watermark_bytes", "Above this, load is shed."),
+    "memory_usage_bytes": ("usage_bytes", "Memory use the watermarks are compared with."),
+    "bytes_per_sample": ("bytes_per_sample", "Measured memory per image (k)."),
+    "max_batch_now": ("max_batch_now", "Images that fit in a batch now."),
+}
+OOM_COUNTERS = {
+    "oom_events": ("oom_events", "Out-of-memory errors in a forward pass."),
+    "oom_recoveries": ("oom_recoveries", "Batches answered in full after an out-of-memory."),
+    "oom_failures": ("oom_failures", "Images refused because they did not fit alone."),
+    "memory_state_changes": ("state_changes", "Changes of the memory state."),
+    "idle_releases": ("idle_releases", "Times cached memory was given back while idle."),
+}
+STATES = ("ok", "high", "shedding")
+
+
+class AppCollector(Collector):
+    """Figures read from the app's state at scrape time."""
+
+    def __init__(self, state: AppState) -> None:
+        self.state = state
+
+    def collect(self) -> Iterator[Metric]:
+        engine, stats = self.state.engine, self.state.stats
+        report = engine.last_report
+        for name, (key, doc) in MEMORY_GAUGES.items():
+            if isinstance(report.get(key), int | float):
+                yield GaugeMetricFamily(f"vramguard_{name}", doc, value=report[key])
+        if "state" in report:
+            family = GaugeMetricFamily("vramguard_memory_state", "1 for the current memory "
+                                       "state (ok, high, shedding).", labels=["state"])
+            for name in STATES:
+                family.add_metric([name], 1.0 if report["state"] == name else 0.0)
+            yield family
+        for name, (key, doc) in OOM_COUNTERS.items():
+            if isinstance(report.get(key), int):
+                yield CounterMetricFamily(f"vramguard_{name}", doc, value=report[key])
+        batcher = engine.batcher
+        yield GaugeMetricFamily("vramguard_queue_depth", "Images waiting for the model.",
+                                value=batcher.queue_depth)
+        yield GaugeMetricFamily("vramguard_in_flight", "Images in the running batch.",
+                                value=batcher.in_flight)
+        yield self._batch_sizes()
+        counts = stats.snapshot()
+        yield CounterMetricFamily("vramguard_cache_hits", "Answers from the result cache.",
+                                  value=counts.get("cached", 0))
+        yield CounterMetricFamily("vramguard_cache_misses", "Images the model had to compute.",
+                                  value=counts.get("ok", 0) if self.state.cache else 0)
+        yield CounterMetricFamily("vramguard_rate_limited", "Requests refused with 429.",
+                                  value=self.state.limiter.rejected)
+        if engine.warmup is not None:
+            yield GaugeMetricFamily("vramguard_warmup_duration_seconds", "How long warmup took.",
+                                    value=engine.warmup.duration_s)
+        yield GaugeMetricFamily("vramguard_ready", "1 once the model is warmed up.",
+                                value=1.0 if engine.ready else 0.0)
+
+    def _batch_sizes(self) -> Metric:
+        sizes = dict(self.state.engine.batcher.stats.sizes)
+        buckets = [(str(bound), sum(n for size, n in sizes.items() if size <= bound))
+                   for bound in BATCH_BUCKETS]
+        buckets.append(("+Inf", sum(sizes.values())))
+        return HistogramMetricFamily("vramguard_batch_size", "Images per batch.",
+                                     buckets=buckets,
+                                     sum_value=sum(size * n for size, n in sizes.items()))
+
+
+class Metrics:
+    """The registry and the request instruments of one app."""
+
+    def __init__(self, state: AppState) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("vramguard_requests", "HTTP requests answered.",
+                                ["route", "status"], registry=self.registry)
+        self.latency = Histogram("vramguard_request_duration_seconds", "Time to answer.",
+                                 ["route", "status"], buckets=LATENCY_BUCKETS,
+                                 registry=self.registry)
+        self.registry.register(AppCollector(state))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class MetricsMiddleware:
+    """Outermost ASGI layer: counts and times every HTTP request by route family and status."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] == "/metrics":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500
+
+        async def watch(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        finally:
+            route = route_family(scope["method"], scope["path"])
+            labels = (route, str(status))
+            self.metrics.requests.labels(*labels).inc()
+            self.metrics.latency.labels(*labels).observe(time.perf_counter() - started)
