@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 import torch
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import PlainTextResponse, Response
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import UploadFile
 
@@ -22,6 +22,7 @@ from app.errors import (
     DeadlineExceeded,
     NotFound,
     NotReady,
+    Overloaded,
     UnsupportedMediaType,
 )
 from app.imaging import decode_image, preprocess
@@ -211,6 +212,17 @@ async def stats(request: Request) -> StatsResponse:
         rate_limited=state.limiter.rejected,
         cache_entries=await state.pool.run(len, state.cache) if state.cache is not None else None,
     )
+
+
+@router.get("/v1/events", summary="Live memory and queue samples (Server-Sent Events)",
+            response_class=StreamingResponse)
+async def events(request: Request) -> StreamingResponse:
+    hub = state_of(request).events
+    if hub.full():
+        raise Overloaded("Too many live views are open. Close one and try again.",
+                         retry_after=5)
+    return StreamingResponse(hub.stream(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-store"})
 
 
 @router.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -20,6 +21,7 @@ from app.cache import ResultCache
 from app.config import Settings
 from app.engine.engine import InferenceEngine
 from app.errors import ApiError, BadRequest, InternalError, MethodNotAllowed, NotFound
+from app.events import EventHub
 from app.guard.admin_token import load_or_create_token
 from app.guard.body_limit import BodySizeLimit
 from app.guard.host_origin import HostOriginGuard
@@ -53,15 +55,40 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 
 async def _monitor(state: AppState) -> None:
-    """Once a second, on the device thread: follow memory, update the state, idle release."""
+    """Once a second: on the device thread follow memory, update the state, release when
+    idle; then publish a live sample (and a state event when the state changed)."""
     engine = state.engine
+    last_state = None
     while True:
         await asyncio.sleep(MONITOR_INTERVAL_S)
-        if engine.ready:
-            try:
-                await engine.on_device(engine.tick)
-            except Exception:
-                log.exception("memory monitor failed")
+        if not engine.ready:
+            continue
+        try:
+            await engine.on_device(engine.tick)
+        except Exception:
+            log.exception("memory monitor failed")
+            continue
+        sample = live_sample(state)
+        if sample.get("state") != last_state:
+            state.events.publish("state", {"state": sample.get("state"), "t": sample["t"]})
+            last_state = sample.get("state")
+        state.events.publish("sample", sample)
+
+
+def live_sample(state: AppState) -> dict[str, object]:
+    """What the tray and the dashboard draw: memory, queue and outcomes, right now."""
+    batcher = state.engine.batcher
+    return {
+        **state.engine.last_report,
+        "t": round(time.time(), 3),
+        "queue_depth": batcher.queue_depth,
+        "in_flight": batcher.in_flight,
+        "batches": batcher.stats.batches,
+        "mean_batch_size": round(batcher.stats.mean_batch_size, 3),
+        "paused": state.engine.paused,
+        "requests": state.stats.snapshot(),
+        "rate_limited": state.limiter.rejected,
+    }
 
 
 def _validation_message(exc: RequestValidationError) -> str:
@@ -128,6 +155,7 @@ def create_app(settings: Settings) -> FastAPI:
         stats=RequestStats(),
         admin_token=load_or_create_token(settings.token_file),
         limiter=make_limiter(settings),
+        events=EventHub(),
     )
     app.include_router(router)
     app.include_router(memory_router)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from app.cache import ResultCache
 from app.config import Settings
 from app.engine.engine import InferenceEngine
+from app.events import EventHub
 from app.guard.rate_limit import RateLimiter
 from app.stats import RequestStats
 from app.workers import CpuPool
@@ -21,3 +22,4 @@ class AppState:
     stats: RequestStats
     admin_token: str
     limiter: RateLimiter
+    events: EventHub

@@ -1,0 +1,73 @@
+"""Live events: the hub's bounded buffers, and the SSE stream of a real server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from app.events import BUFFER, EventHub
+
+
+def test_slow_subscriber_is_dropped_and_memory_stays_bounded():
+    async def scenario() -> None:
+        hub = EventHub()
+        stream = hub.stream()
+        assert (await anext(stream)).startswith("retry:")
+        for i in range(BUFFER * 5):  # the subscriber reads nothing meanwhile
+            hub.publish("sample", {"i": i})
+        assert hub.dropped == 1 and not hub.subscribers
+        with pytest.raises(StopAsyncIteration):
+            await anext(stream)
+
+    asyncio.run(scenario())
+
+
+def test_subscriber_that_keeps_up_gets_every_event():
+    async def scenario() -> None:
+        hub = EventHub()
+        stream = hub.stream()
+        await anext(stream)
+        for i in range(BUFFER * 3):
+            hub.publish("sample", {"i": i})
+            message = await anext(stream)
+            assert message == f'event: sample\ndata: {{"i":{i}}}\n\n'
+        assert hub.dropped == 0
+
+    asyncio.run(scenario())
+
+
+def test_subscriber_limit():
+    hub = EventHub(max_subscribers=1)
+    assert not hub.full()
+
+    async def scenario() -> None:
+        stream = hub.stream()
+        await anext(stream)
+        assert hub.full()
+        await stream.aclose()
+        assert not hub.full()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.slow
+def test_server_streams_samples_every_second(server):
+    events: list[tuple[str, dict]] = []
+    with httpx.stream("GET", f"{server.url}/v1/events", timeout=10) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        kind = None
+        for line in response.iter_lines():
+            if line.startswith("event: "):
+                kind = line[7:]
+            elif line.startswith("data: ") and kind:
+                events.append((kind, json.loads(line[6:])))
+                if len([e for e in events if e[0] == "sample"]) == 2:
+                    break
+    samples = [data for kind, data in events if kind == "sample"]
+    assert 0.5 < samples[1]["t"] - samples[0]["t"] < 3
+    for key in ("allocated_bytes", "reserved_bytes", "budget_bytes", "high_watermark_bytes",
+                "low_watermark_bytes", "state", "queue_depth", "mean_batch_size", "requests"):
+        assert key in samples[0]
