@@ -89,11 +89,10 @@ def serve(settings: Settings) -> int:
     import uvicorn
 
     from app.engine.device import DeviceError, resolve_device
+    from app.logs import setup_logging
     from app.models import ModelLoadError, resolve_weights
     from app.server import create_app
 
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if settings.host not in LOOPBACK:
         if not settings.allow_remote:
             print(f"vramguard: refusing to listen on {settings.host}: other computers could "
@@ -113,6 +112,9 @@ def serve(settings: Settings) -> int:
     if problem:
         print(f"vramguard: {problem}", file=sys.stderr)
         return 1
+    log_file = setup_logging(settings.log_level, settings.log_dir)
+    logging.getLogger("vramguard").info("vramguard %s starting; log file %s", __version__,
+                                        log_file)
     # uvicorn drains and stops on SIGINT/SIGTERM, then re-raises the signal; this handler
     # turns that into a normal exit (status 0) instead of death by signal.
     for stop_signal in (signal.SIGINT, signal.SIGTERM):
@@ -122,7 +124,7 @@ def serve(settings: Settings) -> int:
     # server closes it fails with "server disconnected" (seen in the overload test).
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, workers=1,
                 log_level=settings.log_level, timeout_graceful_shutdown=10,
-                timeout_keep_alive=KEEP_ALIVE_S)
+                timeout_keep_alive=KEEP_ALIVE_S, log_config=None)
     return 0
 
 

@@ -89,6 +89,8 @@ class Settings(BaseSettings):
     cache_size: ByteSize = Field(ByteSize(256 * 1024**2), gt=0,
                                  description="Most disk space the result cache may use.")
     log_level: str = Field("info", description="debug, info, warning or error.")
+    log_dir: Path = Field(default_factory=lambda: Path(platformdirs.user_log_dir(
+        APP_NAME, appauthor=False)), description="Folder of the rotating log files.")
     batch_size: int | None = Field(None, ge=1, description="Use this batch size instead of "
                                    "the one warmup measures as fastest.")
     memory_fraction: float = Field(0.7, gt=0, le=1, description="Share of the device's memory "

@@ -34,6 +34,8 @@ def run_doctor(settings: Settings) -> int:
     _line("torchvision", torchvision.__version__)
     _line("config file", default_config_file())
     _line("cache folder", f"{settings.cache_dir} ({'on' if settings.cache else 'off'})")
+    _line("log folder", settings.log_dir)
+    _line("admin token file", settings.token_file)
     cuda = torch.cuda.is_available()
     _line("NVIDIA GPU", "available" if cuda else "none found (vramguard will use the CPU)")
     for index in range(torch.cuda.device_count() if cuda else 0):

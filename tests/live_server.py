@@ -24,6 +24,7 @@ class LiveServer:
     process: subprocess.Popen[bytes]
     log: Path
     token_file: Path
+    home: Path
 
     def token(self) -> str:
         return self.token_file.read_text().strip()
@@ -51,4 +52,4 @@ def live_server(tmp: Path, *args: str, env: dict[str, str] | None = None) -> Ite
     log = tmp / f"server-{port}.log"
     command = [sys.executable, "-m", "app", "serve", "--port", str(port), *args]
     with running(command, f"{url}/readyz", log, env=full_env) as process:
-        yield LiveServer(url, process, log, home / "admin-token")
+        yield LiveServer(url, process, log, home / "admin-token", home)

@@ -6,6 +6,7 @@ import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from live_server import ROOT, live_server
@@ -83,3 +84,14 @@ def test_gpu_check_script_runs_its_steps_on_the_cpu(tmp_path):
 def run_cli_module(module: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_server_logs_to_a_rotating_file_in_the_user_log_folder(tmp_path):
+    with live_server(tmp_path, "--no-cache") as server:
+        log_file = Path(server.home) / "xdg_state_home" / "vramguard" / "log" / "vramguard.log"
+        text = log_file.read_text()
+    assert "INFO vramguard.engine: ready:" in text and "INFO uvicorn" in text
+    assert "doctor" not in text
+    doctor = run_cli("doctor")
+    assert "log folder" in doctor.stdout
