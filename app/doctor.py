@@ -22,9 +22,9 @@ def run_doctor(settings: Settings) -> int:
 
     from app.engine.device import DeviceError, resolve_device
     from app.engine.engine import InferenceEngine
-    from app.memory.budget import human_bytes
     from app.memory.nvml import Nvml
     from app.models import ModelLoadError
+    from app.units import human_bytes
 
     problems = 0
     _line("vramguard", __version__)

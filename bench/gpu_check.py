@@ -25,8 +25,8 @@ from app.engine.engine import InferenceEngine
 from app.engine.oom import OomRecovery
 from app.engine.predictor import Prediction
 from app.errors import InsufficientMemory
-from app.memory.budget import human_bytes
 from app.memory.probes import CpuProbe, CudaProbe, Probe
+from app.units import human_bytes
 
 
 def _squeeze(engine: InferenceEngine, limit_bytes: int) -> Probe:

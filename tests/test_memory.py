@@ -10,12 +10,13 @@ import torch
 from app.engine.oom import OomRecovery
 from app.engine.predictor import Prediction, Ranked
 from app.errors import InsufficientMemory
-from app.memory.budget import Budget, human_bytes
+from app.memory.budget import Budget
 from app.memory.fit import MemoryFit, fit_linear
 from app.memory.guard import GuardState, MemoryGuard
 from app.memory.nvml import Nvml
 from app.memory.probes import CpuProbe
 from app.memory.tracker import LiveTensorTracker
+from app.units import human_bytes
 
 GiB, MiB = 1024**3, 1024**2
 

@@ -15,8 +15,9 @@ import math
 import threading
 from dataclasses import dataclass, replace
 
-from app.memory.budget import Budget, human_bytes
+from app.memory.budget import Budget
 from app.memory.fit import MemoryFit
+from app.units import human_bytes
 
 log = logging.getLogger("vramguard.memory")
 

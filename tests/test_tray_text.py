@@ -1,0 +1,86 @@
+"""The tray's icon, tooltip, menu text and notifications, without a display."""
+
+from __future__ import annotations
+
+import pytest
+
+from tray.icon import COLOURS, PEAK, TICK, Gauge, Layout, draw_icon
+from tray.text import TOOLTIP_LIMIT, Notifier, gauge_of, menu_lines, tooltip
+
+MiB, GiB = 1024**2, 1024**3
+
+
+def column(image, x: int) -> list[tuple[int, int, int, int]]:
+    return [image.getpixel((x, y)) for y in range(image.height)]
+
+
+@pytest.mark.parametrize("size", [16, 32, 64])
+@pytest.mark.parametrize(("fraction", "state"), [(0.0, "ok"), (0.38, "ok"), (0.8, "high"),
+                                                 (0.95, "shedding"), (1.0, "shedding")])
+def test_fill_matches_the_fraction_and_colour_the_state(size, fraction, state):
+    gauge = Gauge(used=fraction, peak=0.0, low=0.75, high=0.9, state=state)
+    image = draw_icon(gauge, size)
+    box = Layout(size)
+    middle = (box.left + box.right) // 2
+    filled = sum(1 for pixel in column(image, middle) if pixel == COLOURS[state])
+    expected = 0 if fraction == 0 else box.bottom - box.row(fraction)
+    assert filled == expected
+    assert abs(filled / box.inner_height - fraction) <= 1.5 / box.inner_height + 0.02
+
+
+@pytest.mark.parametrize("size", [16, 32, 64])
+def test_watermark_ticks_and_peak_are_drawn(size):
+    gauge = Gauge(used=0.2, peak=0.6, low=0.75, high=0.9, state="ok")
+    image = draw_icon(gauge, size)
+    box = Layout(size)
+    for fraction in (0.75, 0.9):
+        y = box.row(fraction)
+        assert image.getpixel((box.left - 1, y)) == TICK
+        assert image.getpixel((box.right + 1, y)) == TICK
+    assert image.getpixel(((box.left + box.right) // 2, box.row(0.6))) == PEAK
+    assert image.getpixel((0, 0))[3] == 0  # transparent around the gauge
+
+
+def test_server_down_is_grey_and_empty():
+    image = draw_icon(gauge_of(None), 32)
+    inside = column(image, 16)[1:-1]
+    assert set(inside) == {COLOURS["down"]}  # a grey bar: no reading
+    assert tooltip(None) == "vramguard: not running"
+    assert menu_lines(None) == ["vramguard is not running"]
+
+
+SAMPLE = {
+    "budget_bytes": 10 * GiB, "low_watermark_bytes": int(7.5 * GiB),
+    "high_watermark_bytes": 9 * GiB, "usage_bytes": int(3.8 * GiB),
+    "weights_bytes": 500 * MiB, "peak_reserved_bytes": 500 * MiB + int(6.1 * GiB),
+    "reserved_bytes": 500 * MiB + int(4.2 * GiB), "allocated_bytes": 812 * MiB,
+    "state": "ok", "queue_depth": 3, "max_batch_now": 4, "paused": False,
+}
+
+
+def test_tooltip_and_menu_text():
+    assert tooltip(SAMPLE) == "vramguard: healthy, 38% of budget, peak 61%"
+    assert menu_lines(SAMPLE) == [
+        "Used: 3.8 GiB of 10.0 GiB budget (38%)",
+        "Peak: 6.1 GiB (61%)",
+        "Reserved 4.7 GiB, in use 812 MiB",
+        "State: healthy",
+        "Waiting: 3, batch up to 4",
+    ]
+    assert len(tooltip({**SAMPLE, "state": "shedding", "paused": True})) <= TOOLTIP_LIMIT
+
+
+def test_gauge_from_a_sample():
+    gauge = gauge_of(SAMPLE)
+    assert gauge.used == pytest.approx(0.38, abs=0.001)
+    assert gauge.peak == pytest.approx(0.61, abs=0.001)
+    assert (gauge.low, gauge.high, gauge.state) == (0.75, 0.9, "ok")
+
+
+def test_notifications_once_per_episode():
+    notifier = Notifier()
+    seen = [notifier.update(s) for s in
+            ("ok", "high", "high", "shedding", "shedding", "high", "ok", "high", "down", "high")]
+    shown = [i for i, message in enumerate(seen) if message]
+    assert shown == [1, 3, 7, 9]
+    assert "full" in seen[3]

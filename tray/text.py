@@ -1,0 +1,94 @@
+"""Words for the tooltip and the menu, for a person who is not an ML engineer."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from app.units import human_bytes
+from tray.icon import Gauge
+
+TOOLTIP_LIMIT = 127  # Windows truncates tray tooltips beyond this
+STATE_WORDS = {
+    "ok": "healthy",
+    "high": "memory getting full",
+    "shedding": "memory full, slowing down",
+    "down": "not running",
+}
+
+
+def _share(part: float, whole: float) -> float:
+    return part / whole if whole > 0 else 1.0
+
+
+def gauge_of(sample: Mapping[str, Any] | None) -> Gauge:
+    """The icon's gauge from a /v1/memory (or live event) sample; None means down."""
+    if not sample or "budget_bytes" not in sample:
+        return Gauge(0.0, 0.0, 0.75, 0.9, "down")
+    budget = sample["budget_bytes"]
+    weights = sample.get("weights_bytes", 0)
+    peak = max(0, sample.get("peak_reserved_bytes", 0) - weights)
+    return Gauge(
+        used=min(1.0, _share(sample.get("usage_bytes", 0), budget)),
+        peak=min(1.0, _share(peak, budget)),
+        low=_share(sample["low_watermark_bytes"], budget),
+        high=_share(sample["high_watermark_bytes"], budget),
+        state=sample.get("state", "ok"))
+
+
+def tooltip(sample: Mapping[str, Any] | None) -> str:
+    """e.g. 'vramguard: healthy, 38% of budget, peak 61%' (at most 127 characters)."""
+    gauge = gauge_of(sample)
+    if gauge.state == "down":
+        text = "vramguard: not running"
+    else:
+        text = (f"vramguard: {STATE_WORDS.get(gauge.state, gauge.state)}, "
+                f"{gauge.used:.0%} of budget, peak {gauge.peak:.0%}")
+        if sample and sample.get("paused"):
+            text += " (paused)"
+    return text[:TOOLTIP_LIMIT]
+
+
+def menu_lines(sample: Mapping[str, Any] | None) -> list[str]:
+    """The live, read-only lines at the top of the tray menu."""
+    if not sample or "budget_bytes" not in sample:
+        return ["vramguard is not running"]
+    gauge = gauge_of(sample)
+    budget = sample["budget_bytes"]
+    weights = sample.get("weights_bytes", 0)
+    peak = max(0, sample.get("peak_reserved_bytes", 0) - weights)
+    lines = [
+        f"Used: {human_bytes(sample.get('usage_bytes', 0))} of {human_bytes(budget)} "
+        f"budget ({gauge.used:.0%})",
+        f"Peak: {human_bytes(peak)} ({gauge.peak:.0%})",
+        f"Reserved {human_bytes(sample.get('reserved_bytes', 0))}, "
+        f"in use {human_bytes(sample.get('allocated_bytes', 0))}",
+        f"State: {STATE_WORDS.get(gauge.state, gauge.state)}",
+        f"Waiting: {sample.get('queue_depth', 0)}, "
+        f"batch up to {sample.get('max_batch_now', 0)}",
+    ]
+    if sample.get("paused"):
+        lines.append("Paused: images are refused until you resume")
+    return lines
+
+
+class Notifier:
+    """Says something when memory enters 'high' or 'shedding': once per episode.
+
+    An episode ends when the state is back to 'ok'.
+    """
+
+    def __init__(self) -> None:
+        self._warned: str | None = None
+
+    def update(self, state: str) -> str | None:
+        if state == "ok" or state == "down":
+            self._warned = None
+            return None
+        if self._warned == "shedding" or self._warned == state:
+            return None
+        self._warned = state
+        if state == "shedding":
+            return ("GPU memory is full: vramguard is slowing down to stay safe. Closing "
+                    "other programs that use the graphics card will help.")
+        return "GPU memory is getting full. vramguard will slow down if it keeps rising."
