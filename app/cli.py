@@ -57,6 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--memory-budget", help=fields["memory_budget"].description)
     serve.add_argument("--idle-release-s", type=float, help=fields["idle_release_s"].description)
 
+    tray = commands.add_parser("tray", help="Show the tray icon for a running server.")
+    _add_common(tray)
+    tray.add_argument("--port", type=int, help=fields["port"].description)
+    run = commands.add_parser("run", help="Start the server and the tray icon (the desktop "
+                              "shortcut); without a display, just the server.")
+    _add_common(run)
+    run.add_argument("--port", type=int, help=fields["port"].description)
+
     doctor = commands.add_parser("doctor", help="Check torch, the GPU and the model.")
     _add_common(doctor)
     return parser
@@ -132,6 +140,38 @@ def _exit_cleanly(signum: int, frame: object) -> None:
     raise SystemExit(0)
 
 
+def tray_command(settings: Settings, start_server: bool, argv: list[str] | None) -> int:
+    """`tray`: icon for a running server. `run`: start the server as a child and show the
+    icon (Ollama-style); without a display `run` is the same as `serve`."""
+    from tray.app import display_available, run_tray
+
+    if not display_available():
+        if start_server:
+            print("vramguard: no display, running without a tray icon.", file=sys.stderr)
+            return serve(settings)
+        print("vramguard: the tray needs a display (none found).", file=sys.stderr)
+        return 1
+    import subprocess
+
+    from tray.client import ApiClient
+    from tray.controller import TrayController
+
+    url = f"http://{'127.0.0.1' if settings.host in LOOPBACK else settings.host}:{settings.port}"
+    server_args = [*(argv or sys.argv[1:])]
+    server_args[server_args.index("run") if "run" in server_args else 0] = "serve"
+
+    def spawn() -> subprocess.Popen[bytes]:
+        command = [sys.executable, *([] if getattr(sys, "frozen", False) else ["-m", "app"]),
+                   *server_args]
+        return subprocess.Popen(command)
+
+    controller = TrayController(ApiClient(url, settings.token_file), notify=print,
+                                start_server=spawn if start_server else None)
+    controller.ensure_server()
+    run_tray(controller, url)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -141,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "serve":
         return serve(settings)
+    if args.command in ("tray", "run"):
+        return tray_command(settings, start_server=args.command == "run", argv=argv)
     from app.doctor import run_doctor
 
     return run_doctor(settings)

@@ -1,0 +1,82 @@
+"""The system-tray icon (pystray). Thin: everything it shows or does comes from
+TrayController; this file only maps it onto pystray's icon and menu.
+
+On Linux pystray's GTK backend is the one with menus (its xorg backend has
+none); `import pystray` itself fails without a display, so callers check first.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import webbrowser
+from typing import Any
+
+from tray.controller import TrayController
+
+REFRESH_S = 1.0
+MENU_LINES = 7
+
+
+def display_available() -> bool:
+    """Whether a tray can be shown: always on Windows/macOS, with a display on Linux."""
+    if sys.platform in ("win32", "darwin"):
+        return True
+    return bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
+
+
+def run_tray(controller: TrayController, base_url: str) -> None:
+    """Show the icon until Quit; refresh it once a second from a stoppable thread."""
+    import pystray
+
+    stop = threading.Event()
+
+    def line(index: int) -> Any:
+        def text(_item: Any) -> str:
+            lines = controller.lines()
+            return lines[index] if index < len(lines) else ""
+        return pystray.MenuItem(text, None, enabled=False,
+                                visible=lambda _item: index < len(controller.lines()))
+
+    def say(icon: Any, message: str) -> None:
+        icon.notify(message, "vramguard")
+
+    def quit_tray(icon: Any) -> None:
+        stop.set()
+        controller.stop_server()
+        icon.stop()
+
+    menu = pystray.Menu(
+        *(line(i) for i in range(MENU_LINES)),
+        pystray.Menu.SEPARATOR,
+        pystray.MenuItem("Empty cache", lambda icon: say(icon, controller.empty_cache()),
+                         enabled=lambda _item: not controller.down),
+        pystray.MenuItem("Reset peak", lambda icon: say(icon, controller.reset_peak()),
+                         enabled=lambda _item: not controller.down),
+        pystray.MenuItem("Pause", lambda icon: say(icon, controller.toggle_pause()),
+                         checked=lambda _item: controller.paused,
+                         enabled=lambda _item: not controller.down),
+        pystray.MenuItem("Open API page", lambda _icon: webbrowser.open(f"{base_url}/docs")),
+        pystray.MenuItem("Start server", lambda _icon: controller.ensure_server(),
+                         visible=lambda _item: controller.down
+                         and controller.start_server is not None),
+        pystray.Menu.SEPARATOR,
+        pystray.MenuItem("Quit", quit_tray),
+    )
+    icon = pystray.Icon("vramguard", controller.icon(), controller.tooltip(), menu)
+    controller.notify = lambda message: say(icon, message)
+
+    def update(icon: Any) -> None:
+        icon.visible = True
+        while not stop.is_set():
+            controller.refresh()
+            icon.icon = controller.icon()
+            icon.title = controller.tooltip()
+            icon.update_menu()  # Windows rebuilds menu text only here
+            stop.wait(REFRESH_S)
+
+    try:
+        icon.run(update)
+    finally:
+        stop.set()

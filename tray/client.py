@@ -1,0 +1,61 @@
+"""The tray's only way to the server: its HTTP API, with the admin token from the
+per-user token file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from app.guard.admin_token import load_or_create_token
+
+
+class ServerDown(Exception):
+    """The server does not answer (not running, starting, or crashed)."""
+
+
+class ApiClient:
+    def __init__(self, base_url: str, token_file: Path, timeout: float = 3.0) -> None:
+        self.base_url = base_url
+        self.token_file = token_file
+        self._http = httpx.Client(base_url=base_url, timeout=timeout,
+                                  headers={"X-Client-Id": "vramguard-tray"})
+
+    def _call(self, method: str, path: str, admin: bool = False) -> dict[str, Any]:
+        headers = {}
+        if admin:
+            headers["Authorization"] = f"Bearer {load_or_create_token(self.token_file)}"
+        try:
+            response = self._http.request(method, path, headers=headers)
+        except httpx.TransportError as exc:
+            raise ServerDown(str(exc)) from None
+        if response.status_code >= 400:
+            try:
+                message = response.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = response.text[:200]
+            raise ServerDown(message) if response.status_code == 503 else RuntimeError(message)
+        return response.json()  # type: ignore[no-any-return]
+
+    def sample(self) -> dict[str, Any]:
+        """Memory and queue figures in one dict (what the icon and menu show)."""
+        memory = self._call("GET", "/v1/memory")
+        stats = self._call("GET", "/v1/stats")
+        return {**memory, "queue_depth": stats["queue_depth"], "paused": stats["paused"]}
+
+    def empty_cache(self) -> dict[str, Any]:
+        return self._call("POST", "/v1/memory/empty-cache", admin=True)
+
+    def reset_peak(self) -> dict[str, Any]:
+        return self._call("POST", "/v1/memory/reset-peak", admin=True)
+
+    def set_paused(self, paused: bool) -> dict[str, Any]:
+        return self._call("POST", "/v1/admin/pause" if paused else "/v1/admin/resume",
+                          admin=True)
+
+    def shutdown(self) -> dict[str, Any]:
+        return self._call("POST", "/v1/admin/shutdown", admin=True)
+
+    def close(self) -> None:
+        self._http.close()

@@ -1,0 +1,135 @@
+"""What the tray knows and does, independent of any tray library (tested headless).
+
+It polls the server once a second, turns the answer into an icon, a tooltip
+and menu lines, raises one notification per memory episode, runs the menu's
+actions through the API, and supervises the server process it started:
+a server that dies is restarted, and the menu says why it stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import time
+from collections.abc import Callable
+from typing import Any
+
+from PIL import Image
+
+from app.units import human_bytes
+from tray.client import ApiClient, ServerDown
+from tray.icon import draw_icon
+from tray.text import Notifier, gauge_of, menu_lines, tooltip
+
+log = logging.getLogger("vramguard.tray")
+RESTART_BACKOFF_S = (1, 2, 5, 10, 30)
+
+
+class TrayController:
+    def __init__(self, client: ApiClient, notify: Callable[[str], None],
+                 start_server: Callable[[], subprocess.Popen[bytes]] | None = None) -> None:
+        self.client = client
+        self.notify = notify
+        self.start_server = start_server
+        self.sample: dict[str, Any] | None = None
+        self.status = "starting"
+        self.server: subprocess.Popen[bytes] | None = None
+        self.restarts = 0
+        self.last_stop: str | None = None
+        self._next_start = 0.0
+        self._notifier = Notifier()
+
+    # -- reading -----------------------------------------------------------------------
+
+    def refresh(self) -> None:
+        """Poll the server; keep the last good sample only while it answers."""
+        self._supervise()
+        try:
+            self.sample = self.client.sample()
+            self.status = "running"
+        except ServerDown as exc:
+            self.sample = None
+            if self.status == "running":
+                self.status = f"not answering: {exc}"
+        message = self._notifier.update(gauge_of(self.sample).state)
+        if message:
+            self.notify(message)
+
+    def icon(self, size: int = 64) -> Image.Image:
+        return draw_icon(gauge_of(self.sample), size)
+
+    def tooltip(self) -> str:
+        return tooltip(self.sample)
+
+    def lines(self) -> list[str]:
+        lines = menu_lines(self.sample)
+        if self.sample is None and self.status not in ("running", "starting"):
+            lines.append(f"Why: {self.status}")
+        if self.last_stop:
+            lines.append(f"Last stop: {self.last_stop}")
+        return lines
+
+    @property
+    def down(self) -> bool:
+        return self.sample is None
+
+    @property
+    def paused(self) -> bool:
+        return bool(self.sample and self.sample.get("paused"))
+
+    # -- actions (menu items) ------------------------------------------------------------
+
+    def empty_cache(self) -> str:
+        result = self._act(self.client.empty_cache)
+        if isinstance(result, str):
+            return result
+        return f"Gave back {human_bytes(result['freed_bytes'])} of GPU memory."
+
+    def reset_peak(self) -> str:
+        result = self._act(self.client.reset_peak)
+        return result if isinstance(result, str) else "Peak reset."
+
+    def toggle_pause(self) -> str:
+        result = self._act(lambda: self.client.set_paused(not self.paused))
+        return result if isinstance(result, str) else (
+            "Paused." if result["paused"] else "Taking images again.")
+
+    def _act(self, action: Callable[[], dict[str, Any]]) -> dict[str, Any] | str:
+        try:
+            result = action()
+        except (ServerDown, RuntimeError) as exc:
+            return f"Could not do that: {exc}"
+        self.refresh()
+        return result
+
+    # -- the server process ----------------------------------------------------------------
+
+    def ensure_server(self) -> None:
+        """Start the server now if it is down and this tray may start one."""
+        if self.start_server is not None and (self.server is None or
+                                              self.server.poll() is not None):
+            self.server = self.start_server()
+            self.status = "starting"
+            log.info("started the server (pid %d)", self.server.pid)
+
+    def _supervise(self) -> None:
+        if self.server is None or self.server.poll() is None:
+            return
+        code = self.server.returncode
+        if time.monotonic() < self._next_start:
+            return
+        self.last_stop = f"the server stopped unexpectedly (exit status {code}); restarted"
+        log.warning("server exited with status %s; restart %d", code, self.restarts + 1)
+        backoff = RESTART_BACKOFF_S[min(self.restarts, len(RESTART_BACKOFF_S) - 1)]
+        self.restarts += 1
+        self._next_start = time.monotonic() + backoff
+        self.ensure_server()
+
+    def stop_server(self) -> None:
+        if self.server is not None and self.server.poll() is None:
+            try:
+                self.client.shutdown()
+                self.server.wait(20)
+            except (ServerDown, RuntimeError, subprocess.TimeoutExpired):
+                self.server.terminate()
+                self.server.wait(10)
