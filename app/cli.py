@@ -168,7 +168,7 @@ def tray_command(settings: Settings, start_server: bool, argv: list[str] | None)
     controller = TrayController(ApiClient(url, settings.token_file), notify=print,
                                 start_server=spawn if start_server else None)
     controller.ensure_server()
-    run_tray(controller, url)
+    run_tray(controller)
     return 0
 
 

@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 import torch
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import UploadFile
 
@@ -236,8 +236,9 @@ async def healthz() -> dict[str, str]:
 
 
 @router.get("/readyz", summary="Warmup has finished", responses={503: {"model": ErrorResponse}})
-async def readyz(request: Request) -> dict[str, str]:
+async def readyz(request: Request) -> JSONResponse:
+    """Answered directly (not raised): polling readiness is not a request outcome to count."""
     engine = state_of(request).engine
     if not engine.ready:
-        raise NotReady(engine.not_ready_message(), retry_after=2)
-    return {"status": "ready"}
+        return NotReady(engine.not_ready_message(), retry_after=2).response()
+    return JSONResponse({"status": "ready"})

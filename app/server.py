@@ -26,11 +26,13 @@ from app.guard.admin_token import load_or_create_token
 from app.guard.body_limit import BodySizeLimit
 from app.guard.host_origin import HostOriginGuard
 from app.guard.rate_limit import Rate, RateLimiter, RateLimitMiddleware
+from app.guard.ui_session import UiSessions
 from app.memory_routes import router as memory_router
 from app.metrics import Metrics, MetricsMiddleware
 from app.routes import router
 from app.state import AppState
 from app.stats import RequestStats
+from app.ui_routes import router as ui_router
 from app.workers import CpuPool
 
 log = logging.getLogger("vramguard.server")
@@ -156,10 +158,12 @@ def create_app(settings: Settings) -> FastAPI:
         admin_token=load_or_create_token(settings.token_file),
         limiter=make_limiter(settings),
         events=EventHub(),
+        ui_sessions=UiSessions(),
     )
     app.include_router(router)
     app.include_router(memory_router)
     app.include_router(admin_router)
+    app.include_router(ui_router)
     # Added innermost first. Outermost to innermost: metrics, Host/Origin check, rate limit,
     # CORS, body size.
     app.add_middleware(BodySizeLimit, max_bytes=int(settings.max_body_bytes),

@@ -9,6 +9,7 @@ from app.config import Settings
 from app.engine.engine import InferenceEngine
 from app.events import EventHub
 from app.guard.rate_limit import RateLimiter
+from app.guard.ui_session import UiSessions
 from app.stats import RequestStats
 from app.workers import CpuPool
 
@@ -23,3 +24,4 @@ class AppState:
     admin_token: str
     limiter: RateLimiter
     events: EventHub
+    ui_sessions: UiSessions

@@ -42,6 +42,7 @@ def test_actions_go_through_the_api(controller, server):
     assert controller.toggle_pause() == "Paused."
     assert controller.paused
     assert controller.toggle_pause() == "Taking images again."
+    assert "/ui#code=" in controller.dashboard_url()
     assert not controller.paused
     with server.client() as client:
         after = client.get("/v1/memory").json()

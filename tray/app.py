@@ -26,7 +26,7 @@ def display_available() -> bool:
     return bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
 
 
-def run_tray(controller: TrayController, base_url: str) -> None:
+def run_tray(controller: TrayController) -> None:
     """Show the icon until Quit; refresh it once a second from a stoppable thread."""
     import pystray
 
@@ -57,7 +57,8 @@ def run_tray(controller: TrayController, base_url: str) -> None:
         pystray.MenuItem("Pause", lambda icon: say(icon, controller.toggle_pause()),
                          checked=lambda _item: controller.paused,
                          enabled=lambda _item: not controller.down),
-        pystray.MenuItem("Open API page", lambda _icon: webbrowser.open(f"{base_url}/docs")),
+        pystray.MenuItem("Open dashboard", lambda _icon: webbrowser.open(
+            controller.dashboard_url())),
         pystray.MenuItem("Start server", lambda _icon: controller.ensure_server(),
                          visible=lambda _item: controller.down
                          and controller.start_server is not None),

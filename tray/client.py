@@ -54,6 +54,10 @@ class ApiClient:
         return self._call("POST", "/v1/admin/pause" if paused else "/v1/admin/resume",
                           admin=True)
 
+    def dashboard_link(self) -> str:
+        """A one-time link that opens the dashboard with its Empty-cache button enabled."""
+        return str(self._call("POST", "/v1/admin/ui-link", admin=True)["url"])
+
     def shutdown(self) -> dict[str, Any]:
         return self._call("POST", "/v1/admin/shutdown", admin=True)
 

@@ -94,6 +94,13 @@ class TrayController:
         return result if isinstance(result, str) else (
             "Paused." if result["paused"] else "Taking images again.")
 
+    def dashboard_url(self) -> str:
+        """The one-time dashboard link, or the plain page if the server will not give one."""
+        try:
+            return self.client.dashboard_link()
+        except (ServerDown, RuntimeError):
+            return f"{self.client.base_url}/ui"
+
     def _act(self, action: Callable[[], dict[str, Any]]) -> dict[str, Any] | str:
         try:
             result = action()

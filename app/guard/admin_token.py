@@ -45,5 +45,9 @@ def check_bearer(header: str | None, token: str) -> None:
 
 
 def require_admin(request: Request) -> None:
-    """FastAPI dependency for admin endpoints."""
-    check_bearer(request.headers.get("authorization"), request.app.state.vg.admin_token)
+    """FastAPI dependency for admin endpoints: the admin token or a dashboard session."""
+    header = request.headers.get("authorization") or ""
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() == "bearer" and request.app.state.vg.ui_sessions.valid(given.strip()):
+        return
+    check_bearer(header, request.app.state.vg.admin_token)

@@ -1,0 +1,49 @@
+"""The dashboard page and its one-time-link sign-in."""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import HTMLResponse
+from pydantic import BaseModel
+
+from app.errors import Unauthorized
+from app.guard.admin_token import require_admin
+from app.routes import state_of
+
+router = APIRouter()
+PAGE = Path(__file__).parent / "ui" / "dashboard.html"
+
+
+@cache
+def page() -> str:
+    return PAGE.read_text(encoding="utf-8")
+
+
+class Code(BaseModel):
+    code: str
+
+
+@router.get("/ui", response_class=HTMLResponse, summary="Live dashboard")
+async def dashboard() -> HTMLResponse:
+    return HTMLResponse(page(), headers={"Cache-Control": "no-store",
+                                         "Content-Security-Policy": "default-src 'self'; "
+                                         "script-src 'unsafe-inline'; style-src 'unsafe-inline'"})
+
+
+@router.post("/v1/admin/ui-link", dependencies=[Depends(require_admin)],
+             summary="A one-time link that opens the dashboard with admin rights (admin)")
+async def ui_link(request: Request) -> dict[str, str]:
+    code = state_of(request).ui_sessions.new_code()
+    return {"url": f"{str(request.base_url).rstrip('/')}/ui#code={code}"}
+
+
+@router.post("/v1/ui/session", summary="Trade a one-time code for a dashboard session")
+async def ui_session(request: Request, body: Code) -> dict[str, str]:
+    token = state_of(request).ui_sessions.redeem(body.code)
+    if token is None:
+        raise Unauthorized("This dashboard link has expired or was used already. Open the "
+                           "dashboard again from the tray icon.")
+    return {"token": token}

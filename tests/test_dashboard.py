@@ -1,0 +1,92 @@
+"""The dashboard in headless Chromium (Debian's chromium + chromium-driver): it loads
+offline, signs in with the one-time link, draws the chart, values update, and its
+Empty-cache button reaches the server. Skipped where Chromium is not installed."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from images import photo
+
+pytestmark = pytest.mark.slow
+DOCS = Path(__file__).parent.parent / "docs"
+
+webdriver = pytest.importorskip("selenium.webdriver")
+if not (shutil.which("chromium") and shutil.which("chromedriver")):
+    pytest.skip("chromium and chromedriver are not installed", allow_module_level=True)
+
+
+@pytest.fixture
+def browser():
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1280,800"):
+        options.add_argument(flag)
+    options.binary_location = shutil.which("chromium")
+    driver = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=options)
+    yield driver
+    driver.quit()
+
+
+def wait_until(predicate, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.2)
+
+
+def text_of(browser, key: str) -> str:
+    return browser.find_element("css selector", f'dd[data-key="{key}"]').text
+
+
+def test_dashboard_draws_updates_and_empties_the_cache(server, browser):
+    link = httpx.post(f"{server.url}/v1/admin/ui-link", headers=server.admin()).json()["url"]
+    assert "#code=" in link
+    browser.get(link)
+    chart = browser.find_element("id", "chart")
+    wait_until(lambda: int(chart.get_attribute("data-points")) >= 2)
+    assert browser.find_element("id", "state").get_attribute("class") in {"ok", "high",
+                                                                             "shedding"}
+    assert "budget in use" in browser.find_element("id", "headline").text
+    assert "#code" not in browser.current_url  # the code leaves the address bar
+
+    before = text_of(browser, "Requests")
+    for _ in range(3):
+        httpx.post(f"{server.url}/v1/classify", content=photo(),
+                   headers={"Content-Type": "image/jpeg"})
+    wait_until(lambda: text_of(browser, "Requests") != before)
+
+    pixels = browser.execute_script(
+        "const c = document.getElementById('chart');"
+        "const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;"
+        "let n = 0; for (let i = 3; i < d.length; i += 4) if (d[i]) n++; return n;")
+    assert pixels > 5000  # grid, watermark lines and the memory lines were drawn
+
+    button = browser.find_element("id", "empty")
+    assert button.is_enabled()
+    with server.client() as client:
+        releases = client.get("/v1/memory").json()["idle_releases"]
+    button.click()
+    wait_until(lambda: browser.find_element("id", "message").text.startswith("Gave back"))
+    with server.client() as client:
+        assert client.get("/v1/memory").json()["idle_releases"] == releases
+    DOCS.mkdir(exist_ok=True)
+    browser.save_screenshot(str(DOCS / "dashboard.png"))
+
+
+def test_dashboard_link_works_once_and_without_it_the_button_is_off(server, browser):
+    link = httpx.post(f"{server.url}/v1/admin/ui-link", headers=server.admin()).json()["url"]
+    code = link.split("#code=")[1]
+    assert httpx.post(f"{server.url}/v1/ui/session", json={"code": code}).status_code == 200
+    reused = httpx.post(f"{server.url}/v1/ui/session", json={"code": code})
+    assert reused.status_code == 401
+    browser.get(f"{server.url}/ui")
+    wait_until(lambda: int(browser.find_element("id", "chart").get_attribute("data-points")) >= 1)
+    assert not browser.find_element("id", "empty").is_enabled()
+    page = httpx.get(f"{server.url}/ui").text
+    assert server.token() not in page and "http" not in page.split("<script>")[1][:2000].lower()
