@@ -40,6 +40,7 @@ async def memory(request: Request) -> dict[str, Any]:
 async def empty_cache(request: Request) -> dict[str, int]:
     engine = _engine(request)
     before, after = await engine.on_device(engine.release)
+    engine.guard.counters.cache_empties += 1
     return {"reserved_before_bytes": before, "reserved_after_bytes": after,
             "freed_bytes": max(0, before - after)}
 

@@ -51,6 +51,7 @@ OOM_COUNTERS = {
     "oom_failures": ("oom_failures", "Images refused because they did not fit alone."),
     "memory_state_changes": ("state_changes", "Changes of the memory state."),
     "idle_releases": ("idle_releases", "Times cached memory was given back while idle."),
+    "cache_empties": ("cache_empties", "Empty-cache requests (tray, dashboard, API)."),
 }
 STATES = ("ok", "high", "shedding")
 

@@ -47,6 +47,7 @@ def test_actions_go_through_the_api(controller, server):
     with server.client() as client:
         after = client.get("/v1/memory").json()
     assert after["idle_releases"] == before["idle_releases"]  # an explicit release, not idle
+    assert after["cache_empties"] == before["cache_empties"] + 1
 
 
 def test_a_server_that_is_not_there(tmp_path):

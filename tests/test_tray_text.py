@@ -21,10 +21,21 @@ def test_fill_matches_the_fraction_and_colour_the_state(size, fraction, state):
     gauge = Gauge(used=fraction, peak=0.0, low=0.75, high=0.9, state=state)
     image = draw_icon(gauge, size)
     box = Layout(size)
-    middle = (box.left + box.right) // 2
-    filled = sum(1 for pixel in column(image, middle) if pixel == COLOURS[state])
-    expected = 0 if fraction == 0 else box.bottom - box.row(fraction)
-    assert filled == expected
+    pixels = column(image, (box.left + box.right) // 2)
+    assert pixels[box.top] == pixels[box.bottom] == COLOURS[state]  # the frame
+    inside = range(box.inner_top, box.inner_bottom + 1)
+    coloured = [y for y in inside if pixels[y] == COLOURS[state]]
+    if fraction == 0:
+        assert not coloured
+        return
+    # walk up from the bottom through the fill (a watermark tick may cross it)
+    top = box.inner_bottom
+    while top - 1 >= box.inner_top and pixels[top - 1] in (COLOURS[state], TICK):
+        top -= 1
+    expected = box.row(fraction)
+    assert top == expected or (top == expected - 1 and pixels[top] == TICK)
+    assert min(coloured) >= top
+    filled = box.inner_bottom - expected + 1
     assert abs(filled / box.inner_height - fraction) <= 1.5 / box.inner_height + 0.02
 
 
@@ -37,14 +48,16 @@ def test_watermark_ticks_and_peak_are_drawn(size):
         y = box.row(fraction)
         assert image.getpixel((box.left - 1, y)) == TICK
         assert image.getpixel((box.right + 1, y)) == TICK
+        assert image.getpixel(((box.left + box.right) // 2, y)) == TICK
     assert image.getpixel(((box.left + box.right) // 2, box.row(0.6))) == PEAK
     assert image.getpixel((0, 0))[3] == 0  # transparent around the gauge
 
 
 def test_server_down_is_grey_and_empty():
     image = draw_icon(gauge_of(None), 32)
-    inside = column(image, 16)[1:-1]
-    assert set(inside) == {COLOURS["down"]}  # a grey bar: no reading
+    box = Layout(32)
+    inside = column(image, 16)[box.inner_top:box.inner_bottom + 1]
+    assert set(inside) == {COLOURS["down"], TICK}  # a grey bar: no reading
     assert tooltip(None) == "vramguard: not running"
     assert menu_lines(None) == ["vramguard is not running"]
 
@@ -68,6 +81,8 @@ def test_tooltip_and_menu_text():
         "Waiting: 3, batch up to 4",
     ]
     assert len(tooltip({**SAMPLE, "state": "shedding", "paused": True})) <= TOOLTIP_LIMIT
+    squeezed = menu_lines({**SAMPLE, "budget_bytes": 0, "state": "shedding"})
+    assert squeezed[0] == "Used: 3.8 GiB; no budget left (other programs hold the GPU memory)"
 
 
 def test_gauge_from_a_sample():

@@ -2,9 +2,10 @@
 
 A vertical bar fills from the bottom with the share of the budget in use,
 coloured by state (green ok, amber high, red shedding, grey when the server is
-down). Black ticks sticking out on both sides mark the low and high
-watermarks; a white tick across the bar marks the peak. Drawn for 16x16 and
-32x32 (Windows tray sizes) and anything larger.
+down), inside a frame of the same colour. Black ticks across the bar, sticking
+out on both sides, mark the low and high watermarks (the part inside the bar
+stays visible on a dark taskbar); a blue line across the bar marks the peak.
+Drawn for 16x16 and 32x32 (Windows tray sizes) and anything larger.
 """
 
 from __future__ import annotations
@@ -19,10 +20,9 @@ COLOURS = {
     "shedding": (215, 40, 40, 255),
     "down": (140, 140, 140, 255),
 }
-OUTLINE = (30, 30, 30, 255)
 EMPTY = (235, 235, 235, 255)
 TICK = (0, 0, 0, 255)
-PEAK = (255, 255, 255, 255)
+PEAK = (40, 70, 220, 255)
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,11 @@ class Layout:
     size: int
 
     @property
+    def frame(self) -> int:
+        """Frame width: thick enough to survive the panel scaling the icon down."""
+        return max(1, self.size // 16)
+
+    @property
     def left(self) -> int:
         return round(self.size * 0.28)
 
@@ -59,13 +64,21 @@ class Layout:
         return self.size - 1
 
     @property
+    def inner_top(self) -> int:
+        return self.top + self.frame
+
+    @property
+    def inner_bottom(self) -> int:
+        return self.bottom - self.frame
+
+    @property
     def inner_height(self) -> int:
-        return self.bottom - self.top - 1
+        return self.inner_bottom - self.inner_top + 1
 
     def row(self, fraction: float) -> int:
-        """The pixel row for a fraction of the budget (0 at the bottom edge)."""
+        """The pixel row for a fraction of the budget (the inner bottom row for 0)."""
         fraction = min(1.0, max(0.0, fraction))
-        return self.bottom - 1 - round(fraction * (self.inner_height - 1))
+        return self.inner_bottom - round(fraction * (self.inner_height - 1))
 
 
 def draw_icon(gauge: Gauge, size: int = 64) -> Image.Image:
@@ -74,16 +87,17 @@ def draw_icon(gauge: Gauge, size: int = 64) -> Image.Image:
     box = Layout(size)
     colour = COLOURS.get(gauge.state, COLOURS["down"])
     body = COLOURS["down"] if gauge.state == "down" else EMPTY
-    draw.rectangle((box.left, box.top, box.right, box.bottom), fill=body, outline=OUTLINE)
+    # The frame carries the state's colour, so an idle (empty) gauge still says "healthy".
+    draw.rectangle((box.left, box.top, box.right, box.bottom), fill=body, outline=colour,
+                   width=box.frame)
+    inner = (box.left + box.frame, box.right - box.frame)
     if gauge.used > 0:
-        top = box.row(gauge.used)
-        draw.rectangle((box.left + 1, top, box.right - 1, box.bottom - 1), fill=colour)
+        draw.rectangle((inner[0], box.row(gauge.used), inner[1], box.inner_bottom), fill=colour)
     stick_out = max(2, size // 8)
-    for fraction in (gauge.low, gauge.high):
+    for fraction in (gauge.low, gauge.high):  # through the bar too: visible on dark panels
         y = box.row(fraction)
-        draw.line((box.left - stick_out, y, box.left, y), fill=TICK)
-        draw.line((box.right, y, box.right + stick_out, y), fill=TICK)
+        draw.line((box.left - stick_out, y, box.right + stick_out, y), fill=TICK)
     if gauge.peak > 0:
         y = box.row(gauge.peak)
-        draw.line((box.left + 1, y, box.right - 1, y), fill=PEAK)
+        draw.line((inner[0], y, inner[1], y), fill=PEAK)
     return image

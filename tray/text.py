@@ -57,9 +57,10 @@ def menu_lines(sample: Mapping[str, Any] | None) -> list[str]:
     budget = sample["budget_bytes"]
     weights = sample.get("weights_bytes", 0)
     peak = max(0, sample.get("peak_reserved_bytes", 0) - weights)
+    used = human_bytes(sample.get("usage_bytes", 0))
     lines = [
-        f"Used: {human_bytes(sample.get('usage_bytes', 0))} of {human_bytes(budget)} "
-        f"budget ({gauge.used:.0%})",
+        f"Used: {used} of {human_bytes(budget)} budget ({gauge.used:.0%})" if budget > 0 else
+        f"Used: {used}; no budget left (other programs hold the GPU memory)",
         f"Peak: {human_bytes(peak)} ({gauge.peak:.0%})",
         f"Reserved {human_bytes(sample.get('reserved_bytes', 0))}, "
         f"in use {human_bytes(sample.get('allocated_bytes', 0))}",

@@ -257,6 +257,7 @@ class InferenceEngine:
             "oom_failures": counters.oom_failures,
             "state_changes": counters.state_changes,
             "idle_releases": counters.idle_releases,
+            "cache_empties": counters.cache_empties,
         }
 
     def reset_peak(self) -> tuple[int, int]:

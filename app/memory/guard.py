@@ -35,6 +35,7 @@ class GuardCounters:
     oom_failures: int = 0
     state_changes: int = 0
     idle_releases: int = 0
+    cache_empties: int = 0
 
 
 class MemoryGuard:

@@ -1,0 +1,158 @@
+"""The tray on a real (virtual) desktop: Xvfb + openbox + the tint2 panel as tray host,
+pystray's GTK backend, a real server. The icon docks, its picture follows the server's
+memory state, and the menu's Empty cache (driven with xdotool) reaches the server.
+Skipped where the desktop packages are not installed (.ci/run installs them)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+from live_server import live_server
+from PIL import Image
+
+from tray.icon import COLOURS
+
+pytestmark = [pytest.mark.slow, pytest.mark.desktop]
+TOOLS = ("Xvfb", "openbox", "tint2", "xdotool", "xwininfo", "import", "dbus-run-session")
+if missing := [tool for tool in TOOLS if not shutil.which(tool)]:
+    pytest.skip(f"desktop tools not installed: {missing}", allow_module_level=True)
+pytest.importorskip("gi")
+DOCS = Path(__file__).parent.parent / "docs"
+GiB = 1024**3
+
+
+@contextmanager
+def background(command: list[str], env: dict[str, str], log: Path) -> Iterator[None]:
+    with log.open("wb") as sink:
+        process = subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        yield
+    finally:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def free_display() -> str:
+    number = 90
+    while Path(f"/tmp/.X11-unix/X{number}").exists() or Path(f"/tmp/.X{number}-lock").exists():
+        number += 1
+    return f":{number}"
+
+
+def wait_for(predicate, timeout: float = 20.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        result = predicate()
+        if result:
+            return result
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.3)
+
+
+def icon_geometry(env: dict[str, str]) -> tuple[int, int, int, int] | None:
+    tree = subprocess.run(["xwininfo", "-root", "-tree"], env=env, capture_output=True,
+                          text=True).stdout
+    for line in tree.splitlines():
+        if '"vramguard:' in line:
+            match = re.search(r"(\d+)x(\d+)\+-?\d+\+-?\d+\s+\+(-?\d+)\+(-?\d+)", line)
+            if match:
+                w, h, x, y = map(int, match.groups())
+                return x, y, w, h
+    return None
+
+
+def icon_pixels(env: dict[str, str], geometry: tuple[int, int, int, int],
+                path: Path) -> np.ndarray:
+    subprocess.run(["import", "-window", "root", str(path)], env=env, check=True)
+    x, y, w, h = geometry
+    return np.asarray(Image.open(path).convert("RGB").crop((x, y, x + w, y + h)), dtype=int)
+
+
+def share_of(pixels: np.ndarray, state: str) -> float:
+    target = np.array(COLOURS[state][:3])
+    return float((np.abs(pixels - target).sum(axis=2) < 30).mean())
+
+
+def capture_when(env, geometry, path: Path, accept) -> np.ndarray:
+    """Screenshots of the icon until ``accept(pixels)``; the accepted pixels."""
+    found: list[np.ndarray] = []
+
+    def attempt() -> bool:
+        pixels = icon_pixels(env, geometry, path)
+        if accept(pixels):
+            found.append(pixels)
+            return True
+        return False
+
+    wait_for(attempt, what=f"the icon in {path.stem}")
+    return found[0]
+
+
+def memory(server) -> dict:
+    with server.client() as client:
+        return client.get("/v1/memory").json()
+
+
+def test_tray_docks_follows_memory_and_empties_the_cache(tmp_path):
+    display = free_display()
+    env = {**os.environ, "DISPLAY": display, "PYSTRAY_BACKEND": "gtk"}
+    with ExitStack() as stack:
+        stack.enter_context(background(["Xvfb", display, "-screen", "0", "1024x768x24"],
+                                       env, tmp_path / "xvfb.log"))
+        wait_for(lambda: subprocess.run(["xwininfo", "-root"], env=env,
+                                        capture_output=True).returncode == 0, what="Xvfb")
+        stack.enter_context(background(["openbox"], env, tmp_path / "openbox.log"))
+        stack.enter_context(background(["tint2"], env, tmp_path / "tint2.log"))
+        server = stack.enter_context(live_server(tmp_path, "--no-cache", "--memory-budget",
+                                                 "1GiB", env={"VRAMGUARD_RATE_LIMIT": "0"}))
+        port = server.url.rsplit(":", 1)[1]
+        tray_env = {**env, "VRAMGUARD_TOKEN_FILE": str(server.token_file)}
+        # pystray's GTK backend sends notifications over a D-Bus session bus
+        stack.enter_context(background(["dbus-run-session", "--", sys.executable, "-m", "app",
+                                        "tray", "--port", port], tray_env, tmp_path / "tray.log"))
+        geometry = wait_for(lambda: icon_geometry(env), what="the icon to dock")
+        assert geometry[2] >= 16 and geometry[1] > 700  # in the panel at the bottom
+
+        healthy = capture_when(env, geometry, tmp_path / "healthy.png",
+                               lambda p: share_of(p, "ok") > 0.01 and share_of(p, "down") < 0.05)
+        assert share_of(healthy, "shedding") == 0
+
+        hog = np.ones(3 * GiB, dtype=np.uint8)  # another program takes 3 GiB
+        try:
+            wait_for(lambda: memory(server)["state"] == "shedding", what="shedding")
+            red = capture_when(env, geometry, tmp_path / "shedding.png",
+                               lambda p: share_of(p, "shedding") > 0.05)
+            assert share_of(red, "shedding") > share_of(healthy, "shedding")
+        finally:
+            del hog
+        wait_for(lambda: memory(server)["state"] != "shedding", timeout=30, what="recovery")
+        capture_when(env, geometry, tmp_path / "recovered.png",
+                     lambda p: share_of(p, "shedding") == 0 and share_of(p, "ok") > 0.01)
+
+        before = memory(server)["cache_empties"]
+        x, y, w, h = geometry
+        subprocess.run(["xdotool", "mousemove", str(x + w // 2), str(y + h // 2), "click",
+                        "3"], env=env, check=True)
+        time.sleep(1.0)
+        DOCS.mkdir(exist_ok=True)
+        shot = tmp_path / "menu.png"
+        subprocess.run(["import", "-window", "root", str(shot)], env=env, check=True)
+        Image.open(shot).crop((1024 - 420, 768 - 320, 1024, 768)).save(DOCS / "tray.png")
+        # Keyboard navigation skips the disabled reading lines: Down selects "Empty cache".
+        subprocess.run(["xdotool", "key", "Down", "Return"], env=env, check=True)
+        wait_for(lambda: memory(server)["cache_empties"] == before + 1,
+                 what="the Empty cache click to reach the server")
+    assert "Traceback" not in (tmp_path / "tray.log").read_text()
