@@ -109,6 +109,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="vramguard-bench-"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("VRAMGUARD_")}
     env["VRAMGUARD_CACHE_DIR"] = str(work / "cache")
+    env["VRAMGUARD_RATE_LIMIT"] = "0"  # capacity is measured here, not the per-client limit
 
     print(f"machine: {machine()}", flush=True)
     model = load_model(DEFAULT_MODEL, torch.device("cpu"))
