@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 from app.engine.warmup import BatchTiming, batch_sizes, choose_batch_size, profile
 
 
@@ -35,10 +33,28 @@ def test_profile_stops_growing_past_the_target():
 
     def run(size: int) -> None:
         tried.append(size)
-        now[0] += 0.01 * size  # 10 ms per image: every size has the same throughput
+        now[0] += size / 128  # exactly 1/128 s per image: every size has the same throughput
 
     result = profile(run, max_batch=64, target_latency_s=0.05, repeats=2, clock=clock)
     assert [t.batch_size for t in result.timings] == [1, 2, 4, 8]
     assert set(tried) == {1, 2, 4, 8}
+    assert tried[-8:] == [1, 2, 4, 8, 1, 2, 4, 8]  # repeats go round-robin over the sizes
     assert result.chosen_batch_size == 1  # ties go to the smaller batch (lower latency)
-    assert result.timings[2].seconds == pytest.approx(0.04)
+    assert result.timings[2].seconds == 4 / 128
+
+
+def test_round_robin_repeats_cancel_a_slow_patch():
+    """A machine that is slow for a while must not make one size look worse than it is."""
+    now = [0.0]
+    calls = [0]
+
+    def clock() -> float:
+        return now[0]
+
+    def run(size: int) -> None:
+        calls[0] += 1
+        slow = 3.0 if 10 <= calls[0] < 16 else 1.0  # a slow patch in the middle
+        now[0] += slow * 0.01 * size ** 0.8  # bigger batches are a bit cheaper per image
+
+    result = profile(run, max_batch=8, target_latency_s=1.0, repeats=5, clock=clock)
+    assert result.chosen_batch_size == 8

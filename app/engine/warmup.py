@@ -66,18 +66,28 @@ def profile(
     repeats: int = 5,
     clock: Callable[[], float] = time.perf_counter,
 ) -> WarmupProfile:
-    """Time ``run(batch_size)``; stop growing once a size exceeds the latency target."""
+    """Time ``run(batch_size)`` and choose a batch size.
+
+    A first pass grows the size until a pass exceeds the latency target; then
+    the repeats go round-robin over the sizes tried, so that a machine whose
+    speed drifts (a shared desktop, a VM) slows every size alike instead of
+    whichever happened to be measured during a slow second.
+    """
     started = clock()
-    timings: list[BatchTiming] = []
+    tried: list[int] = []
     for size in batch_sizes(max_batch):
         run(size)  # the first pass at a new shape pays for allocation and kernel choice
-        samples = []
-        for _ in range(repeats):
+        t0 = clock()
+        run(size)
+        tried.append(size)
+        if clock() - t0 > target_latency_s:
+            break
+    samples: dict[int, list[float]] = {size: [] for size in tried}
+    for _ in range(repeats):
+        for size in tried:
             t0 = clock()
             run(size)
-            samples.append(clock() - t0)
-        timings.append(BatchTiming(size, statistics.median(samples)))
-        if timings[-1].seconds > target_latency_s:
-            break
+            samples[size].append(clock() - t0)
+    timings = [BatchTiming(size, statistics.median(samples[size])) for size in tried]
     chosen = choose_batch_size(timings, target_latency_s)
     return WarmupProfile(timings, chosen, clock() - started)
