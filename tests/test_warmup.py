@@ -18,6 +18,14 @@ def test_chooses_best_throughput_not_the_biggest_batch():
     assert choose_batch_size(timings, target_latency_s=1.0) == 4
 
 
+def test_near_ties_go_to_the_larger_batch():
+    timings = [BatchTiming(1, 0.0256), BatchTiming(2, 0.0451), BatchTiming(4, 0.0909),
+               BatchTiming(8, 0.2417)]  # 39.1, 44.3, 44.0, 33.1 images/s: measured here
+    assert choose_batch_size(timings, target_latency_s=0.25) == 4
+    clear_winner = [BatchTiming(2, 0.040), BatchTiming(4, 0.100)]  # 50 vs 40 images/s
+    assert choose_batch_size(clear_winner, target_latency_s=0.25) == 2
+
+
 def test_latency_target_caps_the_batch():
     timings = [BatchTiming(1, 0.010), BatchTiming(8, 0.040), BatchTiming(32, 0.120)]
     assert choose_batch_size(timings, target_latency_s=0.1) == 8
@@ -39,7 +47,7 @@ def test_profile_stops_growing_past_the_target():
     assert [t.batch_size for t in result.timings] == [1, 2, 4, 8]
     assert set(tried) == {1, 2, 4, 8}
     assert tried[-8:] == [1, 2, 4, 8, 1, 2, 4, 8]  # repeats go round-robin over the sizes
-    assert result.chosen_batch_size == 1  # ties go to the smaller batch (lower latency)
+    assert result.chosen_batch_size == 4  # a tie goes to the largest size within the target
     assert result.timings[2].seconds == 4 / 128
 
 
