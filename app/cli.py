@@ -158,7 +158,8 @@ def tray_command(settings: Settings, start_server: bool, argv: list[str] | None)
 
     url = f"http://{'127.0.0.1' if settings.host in LOOPBACK else settings.host}:{settings.port}"
     server_args = [*(argv or sys.argv[1:])]
-    server_args[server_args.index("run") if "run" in server_args else 0] = "serve"
+    if start_server:  # the child gets the same options, as `serve`
+        server_args[server_args.index("run")] = "serve"
 
     def spawn() -> subprocess.Popen[bytes]:
         command = [sys.executable, *([] if getattr(sys, "frozen", False) else ["-m", "app"]),

@@ -65,7 +65,7 @@ def run_doctor(settings: Settings) -> int:
     assert engine.guard is not None and engine.memory is not None and engine.warmup is not None
     fit = engine.memory.fit
     _line("batch size", f"{engine.batcher.max_batch} "
-          f"({engine.warmup.images_per_second:.1f} images/s at warmup)")
+          f"({engine.warmup.throughput_at(engine.batcher.max_batch):.1f} images/s at warmup)")
     _line("memory per batch", f"{human_bytes(fit.fixed_bytes)} + "
           f"{human_bytes(fit.bytes_per_sample)} per image (measured at warmup)")
     print("   budget:")

@@ -66,3 +66,13 @@ def test_round_robin_repeats_cancel_a_slow_patch():
 
     result = profile(run, max_batch=8, target_latency_s=1.0, repeats=5, clock=clock)
     assert result.chosen_batch_size == 8
+
+
+def test_throughput_at_a_batch_size_set_by_the_user():
+    from app.engine.warmup import WarmupProfile
+
+    warm = WarmupProfile([BatchTiming(1, 0.02), BatchTiming(2, 0.032), BatchTiming(4, 0.08)], 2)
+    assert warm.images_per_second == 2 / 0.032
+    assert warm.throughput_at(4) == 4 / 0.08  # a pinned size uses its own timing
+    assert warm.throughput_at(8) == 4 / 0.08  # beyond what was timed: the largest timed
+    assert warm.throughput_at(0) == 0.0

@@ -105,7 +105,7 @@ class InferenceEngine:
         self.phase = Phase.READY
         log.info("ready: %s on %s, batch size %d (%.1f images/s), warmup %.1f s; "
                  "%d bytes per image, budget %d bytes", self.model.name, self.device,
-                 self.batcher.max_batch, self.warmup.images_per_second,
+                 self.batcher.max_batch, self.warmup.throughput_at(self.batcher.max_batch),
                  self.warmup.duration_s, self.memory.fit.bytes_per_sample,
                  self.guard.budget_bytes)
 
@@ -175,7 +175,7 @@ class InferenceEngine:
         probe.set_backstop(self.settings.memory_fraction)
         probe.reset_peak()
         self.batcher.set_max_batch(chosen)
-        self.batcher.set_service_rate(self.warmup.images_per_second)
+        self.batcher.set_service_rate(self.warmup.throughput_at(chosen))
 
     def _batch_limit(self) -> int:
         if self.guard is None or self.probe is None:
@@ -187,8 +187,9 @@ class InferenceEngine:
         outcomes = self._recovery(samples)
         measured = self.probe.batch_peak()
         usage = measured if measured is not None else self.guard.fit.peak(len(samples))
-        self._peak_since_tick = max(self._peak_since_tick, usage, self.probe.held())
-        if self.guard.observe(max(usage, self.probe.held())) is GuardState.SHEDDING:
+        usage = max(usage, self.probe.held())
+        self._peak_since_tick = max(self._peak_since_tick, usage)
+        if self.guard.observe(usage) is GuardState.SHEDDING:
             self.probe.empty_cache()
         self._released = False
         return outcomes

@@ -33,13 +33,17 @@ class WarmupProfile:
     chosen_batch_size: int = 1
     duration_s: float = 0.0
 
+    def throughput_at(self, batch_size: int) -> float:
+        """Measured images/s at ``batch_size`` (or the largest size below it that was
+        timed); 0 when nothing fits. A batch size set by the user may differ from the
+        one warmup chose, and the queue's wait estimates must use the one in force."""
+        timed = [t for t in self.timings if t.batch_size <= batch_size]
+        return max(timed, key=lambda t: t.batch_size).images_per_second if timed else 0.0
+
     @property
     def images_per_second(self) -> float:
-        """Throughput at the chosen batch size."""
-        for timing in self.timings:
-            if timing.batch_size == self.chosen_batch_size:
-                return timing.images_per_second
-        return 0.0
+        """Throughput at the batch size warmup chose."""
+        return self.throughput_at(self.chosen_batch_size)
 
 
 def batch_sizes(max_batch: int) -> list[int]:
