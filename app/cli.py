@@ -5,14 +5,17 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
+import os
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from app import __version__
-from app.config import ConfigError, Settings, load_settings
+from app.config import ConfigError, Settings, default_config_file, load_settings
+from app.instance import InstanceLock, RunningInstance, is_held, running_instance, running_instances
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 KEEP_ALIVE_S = 30
@@ -67,13 +70,35 @@ def build_parser() -> argparse.ArgumentParser:
 
     doctor = commands.add_parser("doctor", help="Check torch, the GPU and the model.")
     _add_common(doctor)
+    stop = commands.add_parser("stop", help="Stop the running vramguard (all of this user's, "
+                               "or the one on --port); the installer uses it.")
+    _add_common(stop)
+    stop.add_argument("--port", type=int, help="Stop only the server on this port.")
+    stop.add_argument("--timeout-s", type=float, default=30.0,
+                      help="How long to let it finish queued work before ending it.")
     return parser
 
 
 def _settings(args: argparse.Namespace) -> Settings:
     overrides: dict[str, Any] = {key: value for key, value in vars(args).items()
                                  if key not in ("command", "config")}
+    overrides.pop("timeout_s", None)
     return load_settings(args.config, **overrides)
+
+
+def _url(settings: Settings) -> str:
+    host = "127.0.0.1" if settings.host in LOOPBACK else settings.host
+    return f"http://{host}:{settings.port}"
+
+
+def _already_running(settings: Settings) -> RunningInstance | None:
+    instance = running_instance(settings.token_file.parent, settings.port)
+    if instance is not None:
+        pid = f" (process {instance.pid})" if instance.pid else ""
+        print(f"vramguard is already running at {instance.url}{pid}; nothing else to start. "
+              f"Its dashboard: {instance.url}/ui. To run a second one, give it another "
+              "port: --port N.", file=sys.stderr)
+    return instance
 
 
 def _port_problem(host: str, port: int) -> str | None:
@@ -85,11 +110,12 @@ def _port_problem(host: str, port: int) -> str | None:
             probe.bind((host, port))
         except OSError as exc:
             if exc.errno in (errno.EADDRINUSE, getattr(errno, "WSAEADDRINUSE", -1)):
-                return (f"Port {port} is already in use - is vramguard already running? "
-                        f"(check http://{host}:{port}/healthz). Pick another port with "
-                        "--port N or VRAMGUARD_PORT=N.")
-            return (f"Cannot listen on {host}:{port}: {exc.strerror}. On Windows, ports can "
-                    "be reserved by the system; pick another with --port N.")
+                return (f"Port {port} is used by another program. Pick another port with "
+                        f"--port N, VRAMGUARD_PORT=N or 'port = N' in {default_config_file()}.")
+            return (f"Cannot listen on {host}:{port}: {exc.strerror}. Windows reserves "
+                    "some port ranges for itself (see 'netsh interface ipv4 show "
+                    "excludedportrange protocol=tcp'); pick a port outside them with "
+                    f"--port N, VRAMGUARD_PORT=N or 'port = N' in {default_config_file()}.")
     return None
 
 
@@ -116,8 +142,16 @@ def serve(settings: Settings) -> int:
     except (DeviceError, ModelLoadError) as exc:
         print(f"vramguard: {exc}", file=sys.stderr)
         return 1
+    lock = InstanceLock(settings.token_file.parent, settings.port)
+    if not lock.acquire(_url(settings)):
+        if _already_running(settings) is None:
+            print("vramguard: another vramguard is starting on this port; try again in a "
+                  "moment.", file=sys.stderr)
+            return 1
+        return 0
     problem = _port_problem(settings.host, settings.port)
     if problem:
+        lock.release()
         print(f"vramguard: {problem}", file=sys.stderr)
         return 1
     log_file = setup_logging(settings.log_level, settings.log_dir)
@@ -130,9 +164,12 @@ def serve(settings: Settings) -> int:
     # Keep-alive longer than common clients' own (httpx 5 s, aiohttp 15 s), so that it is
     # the client that closes an idle connection: otherwise a request sent just as the
     # server closes it fails with "server disconnected" (seen in the overload test).
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, workers=1,
-                log_level=settings.log_level, timeout_graceful_shutdown=10,
-                timeout_keep_alive=KEEP_ALIVE_S, log_config=None)
+    try:
+        uvicorn.run(create_app(settings), host=settings.host, port=settings.port, workers=1,
+                    log_level=settings.log_level, timeout_graceful_shutdown=10,
+                    timeout_keep_alive=KEEP_ALIVE_S, log_config=None)
+    finally:
+        lock.release()
     return 0
 
 
@@ -153,10 +190,18 @@ def tray_command(settings: Settings, start_server: bool, argv: list[str] | None)
         return 1
     import subprocess
 
-    from tray.client import ApiClient
+    from tray.client import ApiClient, ServerDown
     from tray.controller import TrayController
 
-    url = f"http://{'127.0.0.1' if settings.host in LOOPBACK else settings.host}:{settings.port}"
+    url = _url(settings)
+    if start_server and _already_running(settings):
+        import webbrowser
+
+        try:  # a second double-click on the shortcut shows the running one
+            webbrowser.open(ApiClient(url, settings.token_file).dashboard_link())
+        except (ServerDown, RuntimeError):
+            webbrowser.open(f"{url}/ui")
+        return 0
     server_args = [*(argv or sys.argv[1:])]
     if start_server:  # the child gets the same options, as `serve`
         server_args[server_args.index("run")] = "serve"
@@ -173,6 +218,41 @@ def tray_command(settings: Settings, start_server: bool, argv: list[str] | None)
     return 0
 
 
+def stop(settings: Settings, port: int | None, timeout_s: float) -> int:
+    """Ask each running server to finish its queue and exit; end it if it will not."""
+    from tray.client import ApiClient, ServerDown
+
+    folder = settings.token_file.parent
+    targets = [instance for instance in running_instances(folder)
+               if port is None or instance.port == port]
+    if not targets:
+        print("vramguard is not running.")
+        return 0
+    failed = 0
+    for instance in targets:
+        try:
+            ApiClient(instance.url, settings.token_file).shutdown()
+        except (ServerDown, RuntimeError) as exc:
+            print(f"vramguard on port {instance.port} did not take the stop request ({exc}); "
+                  "ending it.", file=sys.stderr)
+            timeout_s = 0
+        deadline = time.monotonic() + timeout_s
+        while is_held(folder, instance.port) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if is_held(folder, instance.port) and instance.pid:
+            os.kill(instance.pid, signal.SIGTERM)
+            end = time.monotonic() + 10
+            while is_held(folder, instance.port) and time.monotonic() < end:
+                time.sleep(0.2)
+        if is_held(folder, instance.port):
+            print(f"vramguard on port {instance.port} (process {instance.pid}) did not stop.",
+                  file=sys.stderr)
+            failed += 1
+        else:
+            print(f"Stopped vramguard on port {instance.port}.")
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -182,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "serve":
         return serve(settings)
+    if args.command == "stop":
+        return stop(settings, args.port, args.timeout_s)
     if args.command in ("tray", "run"):
         return tray_command(settings, start_server=args.command == "run", argv=argv)
     from app.doctor import run_doctor

@@ -8,6 +8,7 @@ import time
 
 from app import __version__
 from app.config import Settings, default_config_file
+from app.native_libs import check_cuda_libraries, check_driver, check_vc_runtime, library_dirs
 
 
 def _line(name: str, value: object, ok: bool = True) -> None:
@@ -15,10 +16,48 @@ def _line(name: str, value: object, ok: bool = True) -> None:
     print(f"{mark}{name:<22} {value}")
 
 
+def _native_libraries(settings: Settings) -> int:
+    """Load what torch needs from the bundle and from the computer; count the failures."""
+    problems = 0
+    for check in check_vc_runtime():
+        _line(check.name, "found" if check.ok else "MISSING: install the Microsoft Visual "
+              "C++ Redistributable (x64) from https://aka.ms/vs/17/release/vc_redist.x64.exe",
+              ok=check.ok)
+        problems += not check.ok
+    checks = check_cuda_libraries()
+    driver = check_driver()
+    folders = ", ".join(str(folder) for folder in library_dirs()) or "none"
+    _line("CUDA libraries", f"{len(checks)} bundled, {sum(c.ok for c in checks)} load "
+          f"(in {folders})" if checks else "none bundled (a CPU-only build)")
+    for check in checks:
+        if check.ok:
+            _line(f"  {check.name}", "loads")
+        elif not driver.ok and driver.name in (check.error or ""):
+            _line(f"  {check.name}", "needs the NVIDIA driver (below)")
+        else:
+            _line(f"  {check.name}", f"does not load: {check.error}", ok=False)
+            problems += 1
+    wants_gpu = settings.device.startswith("cuda")
+    _line("NVIDIA driver library", "found" if driver.ok else "not found: vramguard uses the CPU. "
+          "To use an NVIDIA GPU, install its driver from https://www.nvidia.com/drivers",
+          ok=driver.ok or not wants_gpu)
+    return problems + (not driver.ok and wants_gpu)
+
+
 def run_doctor(settings: Settings) -> int:
     """Print one line per check; exit status 1 when any check found a problem."""
-    import torch
-    import torchvision
+    _line("vramguard", __version__)
+    _line("python", f"{platform.python_version()} ({sys.executable})")
+    _line("platform", platform.platform())
+    problems = _native_libraries(settings)
+    try:
+        import torch
+        import torchvision
+    except (ImportError, OSError) as exc:
+        _line("torch", f"cannot be loaded: {exc}", ok=False)
+        print(f"{problems + 1} problem(s) found: the libraries marked !! above are the "
+              "likely cause")
+        return 1
 
     from app.engine.device import DeviceError, resolve_device
     from app.engine.engine import InferenceEngine
@@ -26,10 +65,6 @@ def run_doctor(settings: Settings) -> int:
     from app.models import ModelLoadError
     from app.units import human_bytes
 
-    problems = 0
-    _line("vramguard", __version__)
-    _line("python", f"{platform.python_version()} ({sys.executable})")
-    _line("platform", platform.platform())
     _line("torch", f"{torch.__version__} (built for CUDA {torch.version.cuda or 'none'})")
     _line("torchvision", torchvision.__version__)
     _line("config file", default_config_file())

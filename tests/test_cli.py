@@ -42,7 +42,7 @@ def test_serve_refuses_a_taken_port_with_advice(capsys):
         port = taken.getsockname()[1]
         assert main(["serve", "--port", str(port)]) == 1
     err = capsys.readouterr().err
-    assert f"Port {port} is already in use" in err and "--port" in err
+    assert f"Port {port} is used by another program" in err and "--port" in err
 
 
 @pytest.mark.parametrize(("args", "message"), [

@@ -79,6 +79,22 @@ def test_a_crashed_server_is_restarted_and_the_menu_says_why(tmp_path):
     assert len(started) == 2
 
 
+def test_a_server_stopped_on_purpose_stays_down_and_ends_the_tray(tmp_path):
+    started: list[subprocess.Popen[bytes]] = []
+
+    def spawn() -> subprocess.Popen[bytes]:
+        started.append(subprocess.Popen([sys.executable, "-c", "raise SystemExit(0)"]))
+        return started[-1]
+
+    tray = TrayController(ApiClient(f"http://127.0.0.1:{free_port()}", tmp_path / "token"),
+                          notify=lambda _m: None, start_server=spawn)
+    tray.ensure_server()
+    started[0].wait(10)
+    tray.refresh()
+    assert len(started) == 1 and tray.restarts == 0
+    assert tray.stopped and "Last stop: the server was asked to stop" in tray.lines()
+
+
 def test_tray_without_a_display(monkeypatch, capsys):
     monkeypatch.delenv("DISPLAY", raising=False)
     monkeypatch.delenv("WAYLAND_DISPLAY", raising=False)

@@ -72,6 +72,10 @@ def run_tray(controller: TrayController) -> None:
         icon.visible = True
         while not stop.is_set():
             controller.refresh()
+            if controller.stopped:
+                stop.set()
+                icon.stop()
+                return
             icon.icon = controller.icon()
             icon.title = controller.tooltip()
             icon.update_menu()  # Windows rebuilds menu text only here

@@ -36,6 +36,7 @@ class TrayController:
         self.server: subprocess.Popen[bytes] | None = None
         self.restarts = 0
         self.last_stop: str | None = None
+        self.stopped = False  # the server we started was stopped on purpose: quit the tray
         self._next_start = 0.0
         self._notifier = Notifier()
 
@@ -115,6 +116,7 @@ class TrayController:
         """Start the server now if it is down and this tray may start one."""
         if self.start_server is not None and (self.server is None or
                                               self.server.poll() is not None):
+            self.stopped = False
             self.server = self.start_server()
             self.status = "starting"
             log.info("started the server (pid %d)", self.server.pid)
@@ -123,6 +125,12 @@ class TrayController:
         if self.server is None or self.server.poll() is None:
             return
         code = self.server.returncode
+        if code == 0:  # asked to stop (`vramguard stop`, the installer, Ctrl+C): stay down
+            self.status = "stopped"
+            self.last_stop = "the server was asked to stop"
+            self.server = None
+            self.stopped = True
+            return
         if time.monotonic() < self._next_start:
             return
         self.last_stop = f"the server stopped unexpectedly (exit status {code}); restarted"

@@ -1,0 +1,30 @@
+; One part of the vramguard installer: files only, run silently by the main setup
+; (see vramguard.nsi). Generated defines: VERSION, OUTFILE, PART, GEN, COMPRESSOR.
+
+Unicode true
+Target amd64-unicode
+SetCompressor /SOLID ${COMPRESSOR}
+CRCCheck force
+SilentInstall silent
+
+!include FileFunc.nsh
+!include LogicLib.nsh
+
+Name "vramguard ${VERSION} part ${PART}"
+OutFile "${OUTFILE}"
+InstallDir "$LOCALAPPDATA\Programs\vramguard"
+RequestExecutionLevel user
+
+Function .onInit
+  ${GetParameters} $R0
+  ClearErrors
+  ${GetOptions} $R0 "/FROMSETUP" $R1
+  ${If} ${Errors}
+    MessageBox MB_ICONINFORMATION "This file is part of the vramguard installer. Run vramguard-${VERSION}-setup.exe (in the same folder) instead."
+    Abort
+  ${EndIf}
+FunctionEnd
+
+Section
+  !include "${GEN}/part-files.nsh"
+SectionEnd

@@ -1,0 +1,148 @@
+"""Build the vramguard bundle with PyInstaller, check it, and say how big it is.
+
+    python -m packaging.build [--dist DIR] [--work DIR] [--cpu-only]
+
+All build logic lives here so that build.ps1 (Windows) stays a thin wrapper. After
+PyInstaller, the bundle is checked against packaging/manifest.toml (the libraries that
+stock hooks miss, the model weights, the dashboard): a bundle that lacks any of them
+fails the build instead of failing on a user's computer. A report (build time, size by
+component, file count) is written beside the bundle as bundle-report.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+import tomllib
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SPEC = ROOT / "packaging" / "vramguard.spec"
+MANIFEST = ROOT / "packaging" / "manifest.toml"
+NAME = "vramguard"
+ICON_SIZES = [(16, 16), (24, 24), (32, 32), (48, 48), (64, 64), (256, 256)]
+
+
+def platform_key() -> str:
+    return "windows" if sys.platform == "win32" else "linux"
+
+
+def write_icon(path: Path) -> Path:
+    """The program icon is the tray gauge itself (a healthy, part-used budget)."""
+    from tray.icon import Gauge, draw_icon
+
+    image = draw_icon(Gauge(used=0.45, peak=0.6, low=0.75, high=0.9, state="ok"), 256)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    image.save(path, sizes=ICON_SIZES)
+    return path
+
+
+def write_version_file(path: Path, version: str) -> Path:
+    """Windows file properties (Explorer > Properties > Details) in PyInstaller's format."""
+    numbers = (*(int(part) for part in version.split(".")[:3]), 0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"""VSVersionInfo(
+  ffi=FixedFileInfo(filevers={numbers}, prodvers={numbers}, mask=0x3f, flags=0x0,
+                    OS=0x40004, fileType=0x1, subtype=0x0, date=(0, 0)),
+  kids=[
+    StringFileInfo([StringTable('040904B0', [
+      StringStruct('CompanyName', 'vramguard'),
+      StringStruct('FileDescription', 'vramguard local image classification'),
+      StringStruct('FileVersion', '{version}'),
+      StringStruct('InternalName', 'vramguard'),
+      StringStruct('OriginalFilename', 'vramguard.exe'),
+      StringStruct('ProductName', 'vramguard'),
+      StringStruct('ProductVersion', '{version}')])]),
+    VarFileInfo([VarStruct('Translation', [1033, 1200])])
+  ]
+)
+""", encoding="utf-8")
+    return path
+
+
+def required_entries(cpu_only: bool) -> list[str]:
+    manifest = tomllib.loads(MANIFEST.read_text(encoding="utf-8"))[platform_key()]
+    return manifest["core"] + ([] if cpu_only else manifest["cuda"])
+
+
+def missing_entries(bundle: Path, entries: list[str]) -> list[str]:
+    """Manifest entries that match no file in the bundle."""
+    return [entry for entry in entries if not any(path.is_file()
+                                                   for path in bundle.glob(entry))]
+
+
+def component_of(relative: Path) -> str:
+    """Group a bundle file for the size report: nvidia/cu13, torch, torchvision, ..."""
+    parts = relative.parts
+    if parts[0] != "_internal" or len(parts) == 2:
+        return "executables, Python and loose libraries"
+    if parts[1] == "nvidia" and len(parts) > 3:
+        return f"nvidia/{parts[2]}"
+    if parts[1] == "torch" and len(parts) > 3 and parts[2] == "lib":
+        return "torch/lib"
+    return parts[1]
+
+
+def size_report(bundle: Path) -> dict[str, int]:
+    sizes: Counter[str] = Counter()
+    for path in bundle.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            sizes[component_of(path.relative_to(bundle))] += path.stat().st_size
+    return dict(sizes.most_common())
+
+
+def run_pyinstaller(dist: Path, work: Path) -> None:
+    from app import __version__
+
+    icon = write_icon(work / "vramguard.ico")
+    version_file = write_version_file(work / "version_info.txt", __version__)
+    subprocess.run([sys.executable, "-m", "PyInstaller", "--noconfirm", "--log-level", "WARN",
+                    "--distpath", str(dist), "--workpath", str(work), str(SPEC), "--",
+                    "--icon", str(icon), "--version-file", str(version_file)],
+                   cwd=ROOT, check=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dist", type=Path, default=ROOT / "dist")
+    parser.add_argument("--work", type=Path, default=ROOT / "build" / "pyinstaller")
+    parser.add_argument("--cpu-only", action="store_true",
+                        help="torch without CUDA (Windows CPU wheels): skip the CUDA checks")
+    parser.add_argument("--verify-only", action="store_true",
+                        help="check an existing bundle against the manifest, do not build")
+    args = parser.parse_args(argv)
+    bundle = args.dist / NAME
+
+    started = time.monotonic()
+    if not args.verify_only:
+        run_pyinstaller(args.dist, args.work)
+    build_s = time.monotonic() - started
+
+    missing = missing_entries(bundle, required_entries(args.cpu_only))
+    if missing:
+        print(f"build.py: the bundle {bundle} lacks what vramguard needs:", file=sys.stderr)
+        for entry in missing:
+            print(f"  missing: {entry}", file=sys.stderr)
+        return 1
+    sizes = size_report(bundle)
+    files = sum(1 for path in bundle.rglob("*") if path.is_file())
+    report = {"bundle": str(bundle), "platform": platform_key(), "cpu_only": args.cpu_only,
+              "build_seconds": None if args.verify_only else round(build_s, 1),
+              "total_bytes": sum(sizes.values()), "files": files, "bytes_by_component": sizes}
+    (args.dist / "bundle-report.json").write_text(json.dumps(report, indent=2),
+                                                  encoding="utf-8")
+    print(f"bundle: {bundle}  ({report['total_bytes'] / 1024**3:.2f} GiB in {files} files"
+          + ("" if args.verify_only else f", built in {build_s:.0f} s") + ")")
+    for component, size in list(sizes.items())[:12]:
+        print(f"  {size / 1024**2:9.0f} MiB  {component}")
+    print("manifest: all required files present")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    raise SystemExit(main())

@@ -1,0 +1,18 @@
+"""Entry point of the bundled windowed executable (the Start-menu shortcut).
+
+With no arguments it runs the server and the tray icon. A windowed Windows program
+has no stdout/stderr (they are None), so anything printed goes to the null device;
+the log file keeps the record.
+"""
+
+import multiprocessing
+import os
+import sys
+
+from app.cli import main
+
+if __name__ == "__main__":
+    multiprocessing.freeze_support()
+    if sys.stdout is None or sys.stderr is None:
+        sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
+    raise SystemExit(main(sys.argv[1:] or ["run"]))
