@@ -72,7 +72,9 @@ def _load(target: str) -> str | None:
     try:
         ctypes.CDLL(target)
     except OSError as exc:
-        return str(exc)
+        # A frozen app's ctypes says only "not found when the application was frozen";
+        # the loader's own reason (e.g. which dependency is missing) is the cause.
+        return str(exc.__cause__ or exc)
     return None
 
 

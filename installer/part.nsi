@@ -3,7 +3,11 @@
 
 Unicode true
 Target amd64-unicode
-SetCompressor /SOLID ${COMPRESSOR}
+!if "${COMPRESSOR}" == "none"
+  SetCompress off
+!else
+  SetCompressor /SOLID ${COMPRESSOR}
+!endif
 CRCCheck force
 SilentInstall silent
 

@@ -10,7 +10,11 @@
 
 Unicode true
 Target amd64-unicode
-SetCompressor /SOLID ${COMPRESSOR}
+!if "${COMPRESSOR}" == "none"
+  SetCompress off
+!else
+  SetCompressor /SOLID ${COMPRESSOR}
+!endif
 CRCCheck force
 
 !include MUI2.nsh

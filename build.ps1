@@ -1,0 +1,90 @@
+<#
+.SYNOPSIS
+    Build vramguard for Windows: the bundle (dist\vramguard) and its installer
+    (dist\installer\vramguard-<version>-setup.exe and its .partN.exe files).
+
+.DESCRIPTION
+    A thin wrapper: it makes a build environment, installs torch from PyTorch's own
+    index (PyPI's Windows torch has no CUDA), and runs packaging\build.py and
+    installer\build_installer.py, where all the build logic lives.
+    Needs Python 3.11 (the "py" launcher) and, for the installer, NSIS 3
+    (winget install NSIS.NSIS).
+
+.PARAMETER Cpu
+    Build with CPU-only torch: a much smaller bundle that never uses the GPU.
+
+.PARAMETER NoInstaller
+    Stop after the bundle; do not compile the installer.
+
+.PARAMETER Compressor
+    lzma (smallest download, the default) or zlib (several times faster to build).
+
+.EXAMPLE
+    .\build.ps1
+    .\build.ps1 -Cpu -NoInstaller
+#>
+[CmdletBinding()]
+param(
+    [switch]$Cpu,
+    [switch]$NoInstaller,
+    [ValidateSet("lzma", "zlib")]
+    [string]$Compressor = "lzma"
+)
+
+$ErrorActionPreference = "Stop"
+Set-StrictMode -Version Latest
+
+# torch and torchvision: the same versions as pyproject.toml (a test checks they agree).
+$TorchVersion = "2.14.1"
+$TorchvisionVersion = "0.29.1"
+$TorchIndex = if ($Cpu) { "https://download.pytorch.org/whl/cpu" } else { "https://download.pytorch.org/whl/cu130" }
+
+$Root = $PSScriptRoot
+$Venv = Join-Path $Root ".venv-build"
+$Python = Join-Path $Venv "Scripts\python.exe"
+
+function Invoke-Step {
+    param([string]$What, [scriptblock]$Command)
+    Write-Host "==> $What"
+    & $Command
+    if ($LASTEXITCODE -ne 0) {
+        throw "build.ps1: '$What' failed (exit code $LASTEXITCODE)"
+    }
+}
+
+Push-Location $Root
+try {
+    if (-not (Test-Path $Python)) {
+        Invoke-Step "Create the build environment (Python 3.11)" { py -3.11 -m venv $Venv }
+    }
+    Invoke-Step "Update pip" { & $Python -m pip install --upgrade pip }
+    Invoke-Step "Install torch $TorchVersion from $TorchIndex" {
+        & $Python -m pip install "torch==$TorchVersion" "torchvision==$TorchvisionVersion" --index-url $TorchIndex
+    }
+    Invoke-Step "Install vramguard and PyInstaller" { & $Python -m pip install -e ".[package]" }
+
+    $BuildArgs = @("packaging\build.py")
+    if ($Cpu) { $BuildArgs += "--cpu-only" }
+    Invoke-Step "Build and check the bundle" { & $Python @BuildArgs }
+
+    if ($NoInstaller) {
+        Write-Host "Bundle: $(Join-Path $Root 'dist\vramguard')"
+        return
+    }
+    $Makensis = Get-Command makensis -ErrorAction SilentlyContinue
+    if (-not $Makensis) {
+        $Candidate = Join-Path ${env:ProgramFiles(x86)} "NSIS\makensis.exe"
+        if (-not (Test-Path $Candidate)) {
+            throw "build.ps1: NSIS not found. Install it (winget install NSIS.NSIS) or use -NoInstaller."
+        }
+        $env:PATH = "$(Split-Path $Candidate);$env:PATH"
+    }
+    Invoke-Step "Compile the installer" {
+        & $Python installer\build_installer.py --bundle dist\vramguard --out dist\installer `
+            --compressor $Compressor --icon build\pyinstaller\vramguard.ico
+    }
+    Write-Host "Installer: $(Join-Path $Root 'dist\installer') (ship every .exe in it together)"
+}
+finally {
+    Pop-Location
+}
