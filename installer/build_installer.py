@@ -177,7 +177,7 @@ def build(bundle: Path, out: Path, version: str, compressor: str, limit: int,
 
     outputs = [setup] + [out / part_name(version, part.number) for part in parts[1:]]
     report = {"version": version, "compressor": compressor, "compile_seconds":
-              round(compile_s, 1), "bundle_bytes": total, "files": len(files),
+              round(compile_s, 1), "payload_bytes": total, "files": len(files),
               "installers": {path.name: path.stat().st_size for path in outputs},
               "parts": [{"number": part.number, "files": len(part.files),
                          "bytes": part.size} for part in parts]}

@@ -4,6 +4,7 @@ the same on the real multi-GB bundle."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -46,11 +47,21 @@ def small_bundle(tmp_path_factory) -> Path:
     return bundle
 
 
+def program_icon(path: Path) -> Path:
+    """The icon build.py gives the bundle (NSIS is picky about .ico formats)."""
+    spec = importlib.util.spec_from_file_location("build", ROOT / "packaging" / "build.py")
+    assert spec is not None and spec.loader is not None
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    return build.write_icon(path)  # type: ignore[no-any-return]
+
+
 @pytest.fixture(scope="module")
 def small_installer(small_bundle, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("installer")
+    icon = program_icon(out.parent / "vramguard.ico")
     report = build_installer(small_bundle, out, "--compressor", "zlib",
-                             "--part-size", str(PART_BYTES))
+                             "--part-size", str(PART_BYTES), "--icon", str(icon))
     assert len(report["parts"]) >= 3  # type: ignore[arg-type]
     assert all(part["bytes"] <= PART_BYTES for part in report["parts"])  # type: ignore[union-attr]
     return out
