@@ -23,7 +23,6 @@ import shutil
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
@@ -126,14 +125,32 @@ def checksums(bundle: Path, files: list[PurePosixPath]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def makensis(script: Path, defines: dict[str, str]) -> float:
-    started = time.monotonic()
-    command = ["makensis", "-V2", "-NOCD", *(f"-D{key}={value}" for key, value in
-                                              defines.items()), str(script)]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"makensis {script.name} failed:\n{done.stdout}{done.stderr}")
-    return time.monotonic() - started
+def compile_all(jobs: list[tuple[Path, dict[str, str]]], workers: int, logs: Path) -> None:
+    """Run makensis for every script, `workers` at a time. The first failure stops the
+    others at once: a part can take many minutes to compress."""
+    pending, running = list(jobs), []
+    try:
+        while pending or running:
+            while pending and len(running) < workers:
+                script, defines = pending.pop(0)
+                log = logs / f"makensis-{len(jobs) - len(pending)}.log"
+                with log.open("w") as sink:
+                    command = ["makensis", "-V2", "-NOCD",
+                               *(f"-D{key}={value}" for key, value in defines.items()),
+                               str(script)]
+                    running.append((log, subprocess.Popen(command, stdout=sink,
+                                                          stderr=subprocess.STDOUT)))
+            for log, process in list(running):
+                if process.poll() is None:
+                    continue
+                running.remove((log, process))
+                if process.returncode != 0:
+                    raise RuntimeError(f"makensis failed:\n{log.read_text(errors='replace')}")
+            time.sleep(0.2)
+    finally:
+        for _, process in running:
+            process.kill()
+            process.wait()
 
 
 def build(bundle: Path, out: Path, version: str, compressor: str, limit: int,
@@ -170,8 +187,7 @@ def build(bundle: Path, out: Path, version: str, compressor: str, limit: int,
             "OUTFILE": str(out / part_name(version, part.number))}))
 
     started = time.monotonic()
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        list(pool.map(lambda job: makensis(*job), jobs))
+    compile_all(jobs, os.cpu_count() or 1, gen)
     compile_s = time.monotonic() - started
     (out / f"vramguard-{version}-files.sha256").write_text(checksums(bundle, files))
 
@@ -198,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="most bundle bytes per installer part")
     parser.add_argument("--icon", type=Path, help="installer icon (.ico)")
     args = parser.parse_args(argv)
+    if args.icon is not None and not args.icon.is_file():
+        print(f"build_installer: no icon at {args.icon}", file=sys.stderr)
+        return 1
     if not (args.bundle / "_internal").is_dir():
         print(f"build_installer: no bundle at {args.bundle}: run packaging/build.py first",
               file=sys.stderr)

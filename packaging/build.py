@@ -129,13 +129,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  missing: {entry}", file=sys.stderr)
         return 1
     sizes = size_report(bundle)
-    files = sum(1 for path in bundle.rglob("*") if path.is_file())
+    files = sum(1 for path in bundle.rglob("*") if path.is_file() and not path.is_symlink())
+    links = sum(1 for path in bundle.rglob("*") if path.is_symlink())
     report = {"bundle": str(bundle), "platform": platform_key(), "cpu_only": args.cpu_only,
               "build_seconds": None if args.verify_only else round(build_s, 1),
-              "total_bytes": sum(sizes.values()), "files": files, "bytes_by_component": sizes}
+              "total_bytes": sum(sizes.values()), "files": files, "symlinks": links,
+              "bytes_by_component": sizes}
     (args.dist / "bundle-report.json").write_text(json.dumps(report, indent=2),
                                                   encoding="utf-8")
-    print(f"bundle: {bundle}  ({report['total_bytes'] / 1024**3:.2f} GiB in {files} files"
+    print(f"bundle: {bundle}  ({report['total_bytes'] / 1024**3:.2f} GiB in {files} files, "
+          f"{links} symbolic links"
           + ("" if args.verify_only else f", built in {build_s:.0f} s") + ")")
     for component, size in list(sizes.items())[:12]:
         print(f"  {size / 1024**2:9.0f} MiB  {component}")

@@ -128,3 +128,11 @@ def test_a_part_run_by_hand_installs_nothing(small_installer, tmp_path):
     # Without /FROMSETUP a part explains itself (a message box; /S answers it) and stops.
     wine.run(part, "/S")
     assert not wine.install_dir.exists()
+
+
+def test_a_file_larger_than_a_part_is_refused_with_a_reason(small_bundle, tmp_path):
+    done = subprocess.run([sys.executable, "installer/build_installer.py", "--bundle",
+                           str(small_bundle), "--out", str(tmp_path), "--part-size",
+                           "400000"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 1
+    assert "is larger than a part" in done.stderr and "--part-size" in done.stderr

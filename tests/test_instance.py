@@ -48,9 +48,13 @@ def test_a_killed_server_leaves_no_stale_lock(tmp_path):
     assert InstanceLock(tmp_path, 9999).acquire("http://127.0.0.1:9999")
 
 
-def cli(server, *args: str) -> subprocess.CompletedProcess[str]:
+RECORD_URL = "import sys; open(sys.argv[1], 'w').write(sys.argv[2])"
+
+
+def cli(server, *args: str, **env_vars: str) -> subprocess.CompletedProcess[str]:
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("VRAMGUARD_")},
-           "HOME": str(server.home), "VRAMGUARD_TOKEN_FILE": str(server.token_file)}
+           "HOME": str(server.home), "VRAMGUARD_TOKEN_FILE": str(server.token_file),
+           **env_vars}
     return subprocess.run([sys.executable, "-m", "app", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
 
@@ -63,6 +67,12 @@ def test_a_second_launch_announces_the_first_and_stop_ends_it(tmp_path):
         assert again.returncode == 0
         assert f"vramguard is already running at {server.url}" in again.stderr
         assert f"process {server.process.pid}" in again.stderr
+        # The desktop shortcut (`run`) clicked again opens the running one's dashboard.
+        opened = tmp_path / "opened-url"
+        browser = f"{sys.executable} -c \"{RECORD_URL}\" {opened} %s"
+        shortcut = cli(server, "run", "--port", port, DISPLAY=":0", BROWSER=browser)
+        assert shortcut.returncode == 0 and "already running" in shortcut.stderr
+        assert opened.read_text().startswith(f"{server.url}/ui#")
         stopped = cli(server, "stop")
         assert stopped.returncode == 0, stopped.stderr
         assert f"Stopped vramguard on port {port}" in stopped.stdout
