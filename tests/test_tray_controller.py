@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from live_server import free_port
@@ -60,11 +61,14 @@ def test_a_server_that_is_not_there(tmp_path):
     assert not messages
 
 
-def test_a_crashed_server_is_restarted_and_the_menu_says_why(tmp_path):
+def supervising(tmp_path: Path, exit_status: int) -> tuple[TrayController,
+                                                          list[subprocess.Popen[bytes]]]:
+    """A tray that starts a 'server' which exits at once with this status."""
     started: list[subprocess.Popen[bytes]] = []
 
     def spawn() -> subprocess.Popen[bytes]:
-        started.append(subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"]))
+        started.append(subprocess.Popen([sys.executable, "-c",
+                                         f"raise SystemExit({exit_status})"]))
         return started[-1]
 
     tray = TrayController(ApiClient(f"http://127.0.0.1:{free_port()}", tmp_path / "token"),
@@ -72,6 +76,11 @@ def test_a_crashed_server_is_restarted_and_the_menu_says_why(tmp_path):
     tray.ensure_server()
     started[0].wait(10)
     tray.refresh()
+    return tray, started
+
+
+def test_a_crashed_server_is_restarted_and_the_menu_says_why(tmp_path):
+    tray, started = supervising(tmp_path, 3)
     assert len(started) == 2 and tray.restarts == 1
     assert any("exit status 3" in line for line in tray.lines())
     started[1].wait(10)
@@ -80,17 +89,7 @@ def test_a_crashed_server_is_restarted_and_the_menu_says_why(tmp_path):
 
 
 def test_a_server_stopped_on_purpose_stays_down_and_ends_the_tray(tmp_path):
-    started: list[subprocess.Popen[bytes]] = []
-
-    def spawn() -> subprocess.Popen[bytes]:
-        started.append(subprocess.Popen([sys.executable, "-c", "raise SystemExit(0)"]))
-        return started[-1]
-
-    tray = TrayController(ApiClient(f"http://127.0.0.1:{free_port()}", tmp_path / "token"),
-                          notify=lambda _m: None, start_server=spawn)
-    tray.ensure_server()
-    started[0].wait(10)
-    tray.refresh()
+    tray, started = supervising(tmp_path, 0)
     assert len(started) == 1 and tray.restarts == 0
     assert tray.stopped and "Last stop: the server was asked to stop" in tray.lines()
 
