@@ -13,12 +13,21 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from app import __version__
 from app.config import ConfigError, Settings, default_config_file, load_settings
-from app.instance import InstanceLock, RunningInstance, is_held, running_instance, running_instances
+from app.instance import (
+    InstanceLock,
+    RunningInstance,
+    is_held,
+    running_instance,
+    running_instances,
+)
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 KEEP_ALIVE_S = 30
+STOP_GRACE_S = 10  # after the stop request is answered, or for a tray to follow its server
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
@@ -59,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help=fields["memory_fraction"].description)
     serve.add_argument("--memory-budget", help=fields["memory_budget"].description)
     serve.add_argument("--idle-release-s", type=float, help=fields["idle_release_s"].description)
+    serve.add_argument("--launched-by", type=int, help=argparse.SUPPRESS)  # set by `run`
 
     tray = commands.add_parser("tray", help="Show the tray icon for a running server.")
     _add_common(tray)
@@ -79,10 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+CLI_ONLY = ("command", "config", "timeout_s", "launched_by")  # options that are not settings
+
+
 def _settings(args: argparse.Namespace) -> Settings:
     overrides: dict[str, Any] = {key: value for key, value in vars(args).items()
-                                 if key not in ("command", "config")}
-    overrides.pop("timeout_s", None)
+                                 if key not in CLI_ONLY}
     return load_settings(args.config, **overrides)
 
 
@@ -119,7 +131,7 @@ def _port_problem(host: str, port: int) -> str | None:
     return None
 
 
-def serve(settings: Settings) -> int:
+def serve(settings: Settings, launched_by: int | None = None) -> int:
     import uvicorn
 
     from app.engine.device import DeviceError, resolve_device
@@ -143,7 +155,7 @@ def serve(settings: Settings) -> int:
         print(f"vramguard: {exc}", file=sys.stderr)
         return 1
     lock = InstanceLock(settings.token_file.parent, settings.port)
-    if not lock.acquire(_url(settings)):
+    if not lock.acquire(_url(settings), launched_by):
         if _already_running(settings) is None:
             print("vramguard: another vramguard is starting on this port; try again in a "
                   "moment.", file=sys.stderr)
@@ -208,7 +220,7 @@ def tray_command(settings: Settings, start_server: bool, argv: list[str] | None)
 
     def spawn() -> subprocess.Popen[bytes]:
         command = [sys.executable, *([] if getattr(sys, "frozen", False) else ["-m", "app"]),
-                   *server_args]
+                   *server_args, "--launched-by", str(os.getpid())]
         return subprocess.Popen(command)
 
     controller = TrayController(ApiClient(url, settings.token_file), notify=print,
@@ -218,10 +230,45 @@ def tray_command(settings: Settings, start_server: bool, argv: list[str] | None)
     return 0
 
 
-def stop(settings: Settings, port: int | None, timeout_s: float) -> int:
-    """Ask each running server to finish its queue and exit; end it if it will not."""
+def _wait_gone(pid: int | None, timeout_s: float) -> bool:
+    """Wait for a process to end (its files stay open until it does: on Windows, the
+    installer cannot replace them before)."""
+    if not pid:
+        return True
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:  # a zombie has ended; only its parent's bookkeeping is left
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+
+
+def _stop_one(instance: RunningInstance, folder: Path, token_file: Path,
+              timeout_s: float) -> bool:
+    """Ask the server to finish its queue and exit; end it (and its tray) if they will
+    not. True when both are gone."""
     from tray.client import ApiClient, ServerDown
 
+    try:
+        ApiClient(instance.url, token_file).shutdown()
+    except (ServerDown, RuntimeError) as exc:
+        print(f"vramguard on port {instance.port} did not take the stop request ({exc}); "
+              "ending it.", file=sys.stderr)
+        timeout_s = 0
+    for pid, grace_s in ((instance.pid, timeout_s), (instance.launcher_pid, STOP_GRACE_S)):
+        if not _wait_gone(pid, grace_s) and pid:
+            os.kill(pid, signal.SIGTERM)  # TerminateProcess on Windows
+            _wait_gone(pid, STOP_GRACE_S)
+    return not is_held(folder, instance.port) and all(
+        _wait_gone(pid, 0) for pid in (instance.pid, instance.launcher_pid))
+
+
+def stop(settings: Settings, port: int | None, timeout_s: float) -> int:
+    """`vramguard stop`: every running server of this user, or the one on `port`."""
     folder = settings.token_file.parent
     targets = [instance for instance in running_instances(folder)
                if port is None or instance.port == port]
@@ -230,26 +277,12 @@ def stop(settings: Settings, port: int | None, timeout_s: float) -> int:
         return 0
     failed = 0
     for instance in targets:
-        try:
-            ApiClient(instance.url, settings.token_file).shutdown()
-        except (ServerDown, RuntimeError) as exc:
-            print(f"vramguard on port {instance.port} did not take the stop request ({exc}); "
-                  "ending it.", file=sys.stderr)
-            timeout_s = 0
-        deadline = time.monotonic() + timeout_s
-        while is_held(folder, instance.port) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if is_held(folder, instance.port) and instance.pid:
-            os.kill(instance.pid, signal.SIGTERM)
-            end = time.monotonic() + 10
-            while is_held(folder, instance.port) and time.monotonic() < end:
-                time.sleep(0.2)
-        if is_held(folder, instance.port):
+        if _stop_one(instance, folder, settings.token_file, timeout_s):
+            print(f"Stopped vramguard on port {instance.port}.")
+        else:
             print(f"vramguard on port {instance.port} (process {instance.pid}) did not stop.",
                   file=sys.stderr)
             failed += 1
-        else:
-            print(f"Stopped vramguard on port {instance.port}.")
     return 1 if failed else 0
 
 
@@ -261,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vramguard: {exc}", file=sys.stderr)
         return 2
     if args.command == "serve":
-        return serve(settings)
+        return serve(settings, args.launched_by)
     if args.command == "stop":
         return stop(settings, args.port, args.timeout_s)
     if args.command in ("tray", "run"):

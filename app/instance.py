@@ -33,6 +33,7 @@ class RunningInstance:
     port: int
     url: str
     started: float
+    launcher_pid: int | None = None  # the `vramguard run` (tray) that started this server
 
 
 def _paths(folder: Path, port: int) -> tuple[Path, Path]:
@@ -60,7 +61,7 @@ class InstanceLock:
         self.lock_path, self.info_path = _paths(folder, port)
         self._handle: IO[Any] | None = None
 
-    def acquire(self, url: str) -> bool:
+    def acquire(self, url: str, launcher_pid: int | None = None) -> bool:
         """Take the lock and record who we are; False if another process holds it."""
         self.folder.mkdir(parents=True, exist_ok=True)
         handle = open(self.lock_path, "a+")  # noqa: SIM115 - held until release()
@@ -73,7 +74,8 @@ class InstanceLock:
             handle.close()
             return False
         self._handle = handle
-        info = {"pid": os.getpid(), "port": self.port, "url": url, "started": time.time()}
+        info = {"pid": os.getpid(), "port": self.port, "url": url, "started": time.time(),
+                "launcher_pid": launcher_pid}
         temporary = self.info_path.with_suffix(".tmp")
         temporary.write_text(json.dumps(info), encoding="utf-8")
         os.replace(temporary, self.info_path)
@@ -102,8 +104,9 @@ def running_instance(folder: Path, port: int) -> RunningInstance | None:
     _, info_path = _paths(folder, port)
     try:
         info = json.loads(info_path.read_text(encoding="utf-8"))
+        launcher = info.get("launcher_pid")
         return RunningInstance(int(info["pid"]), int(info["port"]), str(info["url"]),
-                               float(info["started"]))
+                               float(info["started"]), int(launcher) if launcher else None)
     except (OSError, ValueError, KeyError, TypeError):
         # Held but not yet described (the holder is between lock and write).
         return RunningInstance(0, port, f"http://127.0.0.1:{port}", time.time())

@@ -1,6 +1,7 @@
 """The tray on a real (virtual) desktop: Xvfb + openbox + the tint2 panel as tray host,
 pystray's GTK backend, a real server. The icon docks, its picture follows the server's
-memory state, and the menu's Empty cache (driven with xdotool) reaches the server.
+memory state, the menu's Empty cache (driven with xdotool) reaches the server, and
+`vramguard stop` ends a desktop launch (server + tray) cleanly.
 Skipped where the desktop packages are not installed (.ci/run installs them)."""
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
-from live_server import live_server
+from live_server import USER_DIRS, free_port, live_server
 from PIL import Image
 
 from tray.icon import COLOURS
@@ -106,16 +108,22 @@ def memory(server) -> dict:
         return client.get("/v1/memory").json()
 
 
-def test_tray_docks_follows_memory_and_empties_the_cache(tmp_path):
+def desktop(stack: ExitStack, tmp_path: Path) -> dict[str, str]:
+    """Xvfb, a window manager and a panel with a tray, until the stack closes; their env."""
     display = free_display()
     env = {**os.environ, "DISPLAY": display, "PYSTRAY_BACKEND": "gtk"}
+    stack.enter_context(background(["Xvfb", display, "-screen", "0", "1024x768x24"],
+                                   env, tmp_path / "xvfb.log"))
+    wait_for(lambda: subprocess.run(["xwininfo", "-root"], env=env,
+                                    capture_output=True).returncode == 0, what="Xvfb")
+    stack.enter_context(background(["openbox"], env, tmp_path / "openbox.log"))
+    stack.enter_context(background(["tint2"], env, tmp_path / "tint2.log"))
+    return env
+
+
+def test_tray_docks_follows_memory_and_empties_the_cache(tmp_path):
     with ExitStack() as stack:
-        stack.enter_context(background(["Xvfb", display, "-screen", "0", "1024x768x24"],
-                                       env, tmp_path / "xvfb.log"))
-        wait_for(lambda: subprocess.run(["xwininfo", "-root"], env=env,
-                                        capture_output=True).returncode == 0, what="Xvfb")
-        stack.enter_context(background(["openbox"], env, tmp_path / "openbox.log"))
-        stack.enter_context(background(["tint2"], env, tmp_path / "tint2.log"))
+        env = desktop(stack, tmp_path)
         server = stack.enter_context(live_server(tmp_path, "--no-cache", "--memory-budget",
                                                  "1GiB", env={"VRAMGUARD_RATE_LIMIT": "0"}))
         port = server.url.rsplit(":", 1)[1]
@@ -156,3 +164,39 @@ def test_tray_docks_follows_memory_and_empties_the_cache(tmp_path):
         wait_for(lambda: memory(server)["cache_empties"] == before + 1,
                  what="the Empty cache click to reach the server")
     assert "Traceback" not in (tmp_path / "tray.log").read_text()
+
+
+def test_stop_ends_the_server_and_the_tray_that_started_it(tmp_path):
+    """What the installer does before replacing files: `vramguard stop` while the desktop
+    launcher (`run`: server + tray) is running ends both, cleanly."""
+    with ExitStack() as stack:
+        env = desktop(stack, tmp_path)
+        port = str(free_port())
+        home = tmp_path / "home"
+        run_env = {**{k: v for k, v in env.items() if not k.startswith("VRAMGUARD_")},
+                   **{var: str(home / var.lower()) for var in USER_DIRS},
+                   "VRAMGUARD_TOKEN_FILE": str(home / "admin-token"), "VRAMGUARD_CACHE": "0"}
+        with (tmp_path / "run.log").open("wb") as sink:
+            launcher = subprocess.Popen(["dbus-run-session", "--", sys.executable, "-m", "app",
+                                         "run", "--port", port], env=run_env, stdout=sink,
+                                        stderr=subprocess.STDOUT)
+        try:
+            wait_for(lambda: ready(f"http://127.0.0.1:{port}"), timeout=120, what="the server")
+            wait_for(lambda: icon_geometry(env), what="the icon to dock")
+            stopped = subprocess.run([sys.executable, "-m", "app", "stop"], env=run_env,
+                                     capture_output=True, text=True, timeout=120)
+            assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+            assert launcher.wait(30) == 0
+            wait_for(lambda: icon_geometry(env) is None, what="the icon to go")
+        finally:
+            if launcher.poll() is None:
+                launcher.kill()
+    log = (tmp_path / "run.log").read_text()
+    assert "Traceback" not in log and "restart" not in log
+
+
+def ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/readyz", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False

@@ -7,6 +7,7 @@ none); `import pystray` itself fails without a display, so callers check first.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -15,6 +16,7 @@ from typing import Any
 
 from tray.controller import TrayController
 
+log = logging.getLogger("vramguard.tray")
 REFRESH_S = 1.0
 MENU_LINES = 7
 
@@ -83,5 +85,12 @@ def run_tray(controller: TrayController) -> None:
 
     try:
         icon.run(update)
+    except Exception as exc:
+        # pystray's GTK backend closes its notification on the way out even when no
+        # notification service exists (minimal desktops), and raises from there. Once
+        # we have asked it to stop, that is not worth a traceback and exit status 1.
+        if not stop.is_set():
+            raise
+        log.warning("the tray icon did not close cleanly: %s", exc)
     finally:
         stop.set()
