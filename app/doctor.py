@@ -32,7 +32,7 @@ def _native_libraries(settings: Settings) -> int:
     for check in checks:
         if check.ok:
             _line(f"  {check.name}", "loads")
-        elif not driver.ok and driver.name in (check.error or ""):
+        elif not driver.ok and check.needs_driver():
             _line(f"  {check.name}", "needs the NVIDIA driver (below)")
         else:
             _line(f"  {check.name}", f"does not load: {check.error}", ok=False)

@@ -19,6 +19,10 @@ CUDA_LIBRARY_PATTERNS = ("*cudart*", "*cublas*", "*cudnn*", "*nvrtc*", "*nvJitLi
                          "*cufft*", "*curand*", "*cusparse*", "*cusolver*")
 LIBRARY_SUFFIXES = (".dll", ".so")
 DRIVER_LIBRARY = "nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"
+# Bundled libraries linked against the driver itself: without a driver they cannot load,
+# and that is normal on a computer without an NVIDIA GPU. (Windows' loader error does not
+# name the missing DLL, so they are known by name.)
+DRIVER_LINKED = ("caffe2_nvrtc",)
 VC_RUNTIME = ("vcruntime140.dll", "vcruntime140_1.dll", "msvcp140.dll")
 
 
@@ -31,6 +35,11 @@ class LibraryCheck:
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    def needs_driver(self) -> bool:
+        """Whether the failure is only the NVIDIA driver's absence."""
+        return self.error is not None and (DRIVER_LIBRARY in self.error or any(
+            marker in self.name for marker in DRIVER_LINKED))
 
 
 def _is_library(path: Path) -> bool:
