@@ -117,11 +117,8 @@ def executable(bundle: Path, stem: str) -> str:
 def checksums(bundle: Path, files: list[PurePosixPath]) -> str:
     lines = []
     for relative in files:
-        digest = hashlib.sha256()
         with (bundle / relative).open("rb") as stream:
-            for block in iter(lambda: stream.read(1 << 20), b""):
-                digest.update(block)
-        lines.append(f"{digest.hexdigest()}  {relative}")
+            lines.append(f"{hashlib.file_digest(stream, 'sha256').hexdigest()}  {relative}")
     return "\n".join(lines) + "\n"
 
 
@@ -162,6 +159,8 @@ def build(bundle: Path, out: Path, version: str, compressor: str, limit: int,
     parts = split(bundle, files, limit)
     total = sum(part.size for part in parts)
     out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob("vramguard-*-setup*.exe"):  # an older build's parts would mislead
+        stale.unlink()
     gen = out / "nsis"
     shutil.rmtree(gen, ignore_errors=True)
     gen.mkdir()
