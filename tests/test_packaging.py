@@ -11,6 +11,7 @@ import json
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,14 +30,20 @@ def run(*command: str, timeout: float = 1800) -> subprocess.CompletedProcess[str
 
 
 @pytest.fixture(scope="module")
-def dist(tmp_path_factory) -> Path:
+def dist(tmp_path_factory) -> Iterator[Path]:
+    """The built bundle; deleted afterwards, pass or fail (pytest keeps temporary folders
+    of recent runs, and this one holds 4 GB)."""
     folder = tmp_path_factory.mktemp("dist")
-    built = run("packaging/build.py", "--dist", str(folder), "--work",
-                str(folder.parent / "pyinstaller-work"))
-    assert built.returncode == 0, built.stdout + built.stderr[-5000:]
-    assert "manifest: all required files present" in built.stdout
-    shutil.rmtree(folder.parent / "pyinstaller-work", ignore_errors=True)
-    return folder
+    work = folder.parent / "pyinstaller-work"
+    try:
+        built = run("packaging/build.py", "--dist", str(folder), "--work", str(work))
+        shutil.rmtree(work, ignore_errors=True)
+        assert built.returncode == 0, built.stdout + built.stderr[-5000:]
+        assert "manifest: all required files present" in built.stdout
+        yield folder
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(folder / "vramguard", ignore_errors=True)
 
 
 def test_the_bundle_has_what_the_stock_hooks_miss_and_not_what_inference_skips(dist):
@@ -58,9 +65,19 @@ def test_smoke_passes_on_the_bundle(dist):
     assert any("CUDA libraries" in line and "bundled" in line for line in result["doctor"])
 
 
+@pytest.fixture
+def scratch(tmp_path) -> Iterator[Path]:
+    """A temporary folder emptied afterwards, pass or fail (installer and wine prefix: 10 GB)."""
+    try:
+        yield tmp_path
+    finally:
+        for child in tmp_path.iterdir():
+            shutil.rmtree(child, ignore_errors=True)
+
+
 @pytest.mark.skipif(tools_missing() is not None, reason=str(tools_missing()))
-def test_the_installer_carries_the_real_bundle_in_parts_under_nsis_limit(dist, tmp_path):
-    out = tmp_path / "installer"
+def test_the_installer_carries_the_real_bundle_in_parts_under_nsis_limit(dist, scratch):
+    out = scratch / "installer"
     done = run("installer/build_installer.py", "--bundle", str(dist / "vramguard"), "--out",
                str(out), "--compressor", "none")
     assert done.returncode == 0, done.stdout + done.stderr
@@ -70,7 +87,7 @@ def test_the_installer_carries_the_real_bundle_in_parts_under_nsis_limit(dist, t
     # The installer is self-contained now: free the bundle's 4 GB for the install.
     shutil.rmtree(dist / "vramguard")
 
-    wine = WinePrefix(tmp_path / "prefix")
+    wine = WinePrefix(scratch / "prefix")
     assert wine.run(out / f"vramguard-{VERSION}-setup.exe", "/S") == 0
     for installer in out.glob("*.exe"):
         installer.unlink()
@@ -91,5 +108,3 @@ def test_the_installer_carries_the_real_bundle_in_parts_under_nsis_limit(dist, t
     assert wine.run(wine.install_dir / "uninstall.exe", "/S", "/REMOVEDATA") == 0
     assert not wine.install_dir.exists()
     assert not wine.shortcut.exists() and wine.registry(UNINSTALL_KEY) is None
-    shutil.rmtree(out)
-    shutil.rmtree(wine.folder)
