@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import errno
 import logging
 import os
@@ -10,10 +12,13 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import psutil
+import uvicorn
 
 from app import __version__
 from app.config import ConfigError, Settings, default_config_file, load_settings
@@ -27,6 +32,8 @@ from app.instance import (
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 KEEP_ALIVE_S = 30
+SHUTDOWN_MARGIN_S = 5  # after the last deadline: decoding and a batch still running
+STARTUP_FAILURE = 3  # uvicorn's own exit status when the server could not start
 STOP_GRACE_S = 10  # after the stop request is answered, or for a tray to follow its server
 
 
@@ -132,8 +139,6 @@ def _port_problem(host: str, port: int) -> str | None:
 
 
 def serve(settings: Settings, launched_by: int | None = None) -> int:
-    import uvicorn
-
     from app.engine.device import DeviceError, resolve_device
     from app.logs import setup_logging
     from app.models import ModelLoadError, resolve_weights
@@ -173,16 +178,37 @@ def serve(settings: Settings, launched_by: int | None = None) -> int:
     # turns that into a normal exit (status 0) instead of death by signal.
     for stop_signal in (signal.SIGINT, signal.SIGTERM):
         signal.signal(stop_signal, _exit_cleanly)
+    app = create_app(settings)
     # Keep-alive longer than common clients' own (httpx 5 s, aiohttp 15 s), so that it is
     # the client that closes an idle connection: otherwise a request sent just as the
     # server closes it fails with "server disconnected" (seen in the overload test).
+    # A graceful shutdown lets every queued request reach its own deadline (an answer,
+    # if only a 503) before uvicorn cancels what is left: cancelled requests get a 500.
+    graceful_s = int(settings.request_timeout_s + SHUTDOWN_MARGIN_S)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, workers=1,
+                            log_level=settings.log_level, timeout_graceful_shutdown=graceful_s,
+                            timeout_keep_alive=KEEP_ALIVE_S, log_config=None)
+    server = _Server(config, on_exit=app.state.vg.events.close)
     try:
-        uvicorn.run(create_app(settings), host=settings.host, port=settings.port, workers=1,
-                    log_level=settings.log_level, timeout_graceful_shutdown=10,
-                    timeout_keep_alive=KEEP_ALIVE_S, log_config=None)
+        server.run()
     finally:
         lock.release()
-    return 0
+    return 0 if server.started else STARTUP_FAILURE
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, calling `on_exit` (on the event loop) as soon as shutdown begins
+    rather than after open connections have ended (event streams never end by
+    themselves)."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
+        super().__init__(config)
+        self.on_exit = on_exit
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        with contextlib.suppress(RuntimeError):  # no loop running: nothing to end
+            asyncio.get_running_loop().call_soon_threadsafe(self.on_exit)
 
 
 def _exit_cleanly(signum: int, frame: object) -> None:

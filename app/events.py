@@ -30,6 +30,7 @@ class EventHub:
         self.max_subscribers = max_subscribers
         self.subscribers: set[Subscriber] = set()
         self.dropped = 0
+        self.closed = False
 
     def full(self) -> bool:
         return len(self.subscribers) >= self.max_subscribers
@@ -44,14 +45,26 @@ class EventHub:
 
     def _drop(self, subscriber: Subscriber) -> None:
         subscriber.dropped = True
-        self.subscribers.discard(subscriber)
         self.dropped += 1
+        self._end(subscriber)
+
+    def _end(self, subscriber: Subscriber) -> None:
+        self.subscribers.discard(subscriber)
         while not subscriber.queue.empty():  # free its backlog, then tell it to end
             subscriber.queue.get_nowait()
         subscriber.queue.put_nowait(None)
 
+    def close(self) -> None:
+        """End every stream now (the server is shutting down): an open stream would
+        hold the shutdown up for the whole graceful timeout."""
+        self.closed = True
+        for subscriber in list(self.subscribers):
+            self._end(subscriber)
+
     async def stream(self) -> AsyncIterator[str]:
         """One client's event stream; ends if the client falls too far behind."""
+        if self.closed:
+            return
         subscriber = Subscriber()
         self.subscribers.add(subscriber)
         try:

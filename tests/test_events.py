@@ -71,3 +71,43 @@ def test_server_streams_samples_every_second(server):
     for key in ("allocated_bytes", "reserved_bytes", "budget_bytes", "high_watermark_bytes",
                 "low_watermark_bytes", "state", "queue_depth", "mean_batch_size", "requests"):
         assert key in samples[0]
+
+
+def test_closing_the_hub_ends_every_stream_and_refuses_new_ones():
+    async def scenario() -> tuple[list[str], list[str]]:
+        hub = EventHub()
+        first = hub.stream()
+        assert await first.__anext__() == "retry: 2000\n\n"
+        hub.publish("sample", {"t": 1})
+        hub.close()
+        late = [message async for message in hub.stream()]
+        return [message async for message in first], late
+
+    remaining, late = asyncio.run(scenario())
+    assert remaining == [] and late == []  # the backlog is dropped, the stream ends
+
+
+@pytest.mark.slow
+def test_an_open_event_stream_does_not_hold_up_a_shutdown(tmp_path):
+    """Without ending the streams, uvicorn waits its whole graceful timeout (10 s) for
+    them: `vramguard stop` and the installer would wait with it."""
+    import signal
+    import threading
+
+    from live_server import live_server
+
+    with live_server(tmp_path, "--no-cache") as running:
+        opened = threading.Event()
+
+        def listen() -> None:
+            with httpx.stream("GET", f"{running.url}/v1/events", timeout=30) as response:
+                for _line in response.iter_lines():
+                    opened.set()
+
+        listener = threading.Thread(target=listen, daemon=True)
+        listener.start()
+        assert opened.wait(10)
+        running.process.send_signal(signal.SIGTERM)
+        assert running.process.wait(6) == 0
+        listener.join(5)
+        assert not listener.is_alive()
