@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -67,10 +69,19 @@ def small_installer(small_bundle, tmp_path_factory) -> Path:
     return out
 
 
-def test_install_upgrade_autostart_and_uninstall(small_installer, tmp_path):
+@pytest.fixture
+def wine(tmp_path) -> Iterator[WinePrefix]:
+    """A fresh wine prefix (about 700 MB), deleted afterwards."""
+    prefix = WinePrefix(tmp_path / "prefix")
+    try:
+        yield prefix
+    finally:
+        shutil.rmtree(prefix.folder, ignore_errors=True)
+
+
+def test_install_upgrade_autostart_and_uninstall(small_installer, wine):
     setup = small_installer / f"vramguard-{VERSION}-setup.exe"
     sums = small_installer / f"vramguard-{VERSION}-files.sha256"
-    wine = WinePrefix(tmp_path / "prefix")
 
     assert wine.run(setup, "/S") == 0
     assert verify_checksums(wine.install_dir, sums) == 6
@@ -101,8 +112,7 @@ def test_install_upgrade_autostart_and_uninstall(small_installer, tmp_path):
     assert "vramguard" not in (wine.registry(RUN_KEY) or {})
 
 
-def test_uninstall_keeps_user_data_unless_asked(small_installer, tmp_path):
-    wine = WinePrefix(tmp_path / "prefix")
+def test_uninstall_keeps_user_data_unless_asked(small_installer, wine):
     assert wine.run(small_installer / f"vramguard-{VERSION}-setup.exe", "/S") == 0
     (wine.data_dir).mkdir(parents=True)
     (wine.data_dir / "config.toml").write_text("port = 9000\n")
@@ -111,19 +121,17 @@ def test_uninstall_keeps_user_data_unless_asked(small_installer, tmp_path):
     assert (wine.data_dir / "config.toml").read_text() == "port = 9000\n"
 
 
-def test_a_missing_part_stops_the_setup_and_leaves_nothing(small_installer, tmp_path):
+def test_a_missing_part_stops_the_setup_and_leaves_nothing(small_installer, wine, tmp_path):
     lonely = tmp_path / "download"
     lonely.mkdir()
     setup = small_installer / f"vramguard-{VERSION}-setup.exe"
     (lonely / setup.name).write_bytes(setup.read_bytes())  # the parts were not copied
-    wine = WinePrefix(tmp_path / "prefix")
     assert wine.run(lonely / setup.name, "/S") != 0
     assert not wine.install_dir.exists() or not any(wine.install_dir.rglob("*.so*"))
     assert wine.registry(UNINSTALL_KEY) is None and not wine.shortcut.exists()
 
 
-def test_a_part_run_by_hand_installs_nothing(small_installer, tmp_path):
-    wine = WinePrefix(tmp_path / "prefix")
+def test_a_part_run_by_hand_installs_nothing(small_installer, wine):
     part = small_installer / f"vramguard-{VERSION}-setup.part2.exe"
     # Without /FROMSETUP a part explains itself (a message box; /S answers it) and stops.
     wine.run(part, "/S")
