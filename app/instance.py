@@ -32,7 +32,6 @@ class RunningInstance:
     pid: int
     port: int
     url: str
-    started: float
     launcher_pid: int | None = None  # the `vramguard run` (tray) that started this server
 
 
@@ -74,7 +73,7 @@ class InstanceLock:
             handle.close()
             return False
         self._handle = handle
-        info = {"pid": os.getpid(), "port": self.port, "url": url, "started": time.time(),
+        info = {"pid": os.getpid(), "port": self.port, "url": url,
                 "launcher_pid": launcher_pid}
         temporary = self.info_path.with_suffix(".tmp")
         temporary.write_text(json.dumps(info), encoding="utf-8")
@@ -106,10 +105,10 @@ def running_instance(folder: Path, port: int) -> RunningInstance | None:
         info = json.loads(info_path.read_text(encoding="utf-8"))
         launcher = info.get("launcher_pid")
         return RunningInstance(int(info["pid"]), int(info["port"]), str(info["url"]),
-                               float(info["started"]), int(launcher) if launcher else None)
+                               int(launcher) if launcher else None)
     except (OSError, ValueError, KeyError, TypeError):
         # Held but not yet described (the holder is between lock and write).
-        return RunningInstance(0, port, f"http://127.0.0.1:{port}", time.time())
+        return RunningInstance(0, port, f"http://127.0.0.1:{port}")
 
 
 def running_instances(folder: Path) -> list[RunningInstance]:
