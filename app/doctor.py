@@ -24,11 +24,12 @@ def _native_libraries(settings: Settings) -> int:
               "C++ Redistributable (x64) from https://aka.ms/vs/17/release/vc_redist.x64.exe",
               ok=check.ok)
         problems += not check.ok
-    checks = check_cuda_libraries()
+    folders = library_dirs()
+    checks = check_cuda_libraries(folders)
     driver = check_driver()
-    folders = ", ".join(str(folder) for folder in library_dirs()) or "none"
+    where = ", ".join(str(folder) for folder in folders)
     _line("CUDA libraries", f"{len(checks)} bundled, {sum(c.ok for c in checks)} load "
-          f"(in {folders})" if checks else "none bundled (a CPU-only build)")
+          f"(in {where})" if checks else "none bundled (a CPU-only build)")
     for check in checks:
         if check.ok:
             _line(f"  {check.name}", "loads")

@@ -66,10 +66,10 @@ def library_dirs() -> list[Path]:
     return [folder for folder in folders if folder.is_dir()]
 
 
-def cuda_libraries() -> list[Path]:
-    """Every bundled CUDA library file, once each, in a stable order."""
+def cuda_libraries(folders: list[Path]) -> list[Path]:
+    """Every CUDA library file in these folders, once each, in a stable order."""
     found: dict[str, Path] = {}
-    for folder in library_dirs():
+    for folder in folders:
         for pattern in CUDA_LIBRARY_PATTERNS:
             for path in folder.glob(pattern):
                 if path.is_file() and _is_library(path):
@@ -87,9 +87,10 @@ def _load(target: str) -> str | None:
     return None
 
 
-def check_cuda_libraries() -> list[LibraryCheck]:
-    """Load each bundled CUDA library; one that fails names what it is missing."""
-    return [LibraryCheck(path.name, str(path), _load(str(path))) for path in cuda_libraries()]
+def check_cuda_libraries(folders: list[Path]) -> list[LibraryCheck]:
+    """Load each CUDA library in `folders` (from library_dirs()); a failure says why."""
+    return [LibraryCheck(path.name, str(path), _load(str(path)))
+            for path in cuda_libraries(folders)]
 
 
 def check_driver() -> LibraryCheck:

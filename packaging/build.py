@@ -87,12 +87,17 @@ def component_of(relative: Path) -> str:
     return parts[1]
 
 
-def size_report(bundle: Path) -> dict[str, int]:
+def size_report(bundle: Path) -> tuple[dict[str, int], int, int]:
+    """Bytes by component (largest first), file count and link count, in one walk."""
     sizes: Counter[str] = Counter()
+    files = links = 0
     for path in bundle.rglob("*"):
-        if path.is_file() and not path.is_symlink():
+        if path.is_symlink():
+            links += 1
+        elif path.is_file():
+            files += 1
             sizes[component_of(path.relative_to(bundle))] += path.stat().st_size
-    return dict(sizes.most_common())
+    return dict(sizes.most_common()), files, links
 
 
 def run_pyinstaller(dist: Path, work: Path) -> None:
@@ -128,9 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         for entry in missing:
             print(f"  missing: {entry}", file=sys.stderr)
         return 1
-    sizes = size_report(bundle)
-    files = sum(1 for path in bundle.rglob("*") if path.is_file() and not path.is_symlink())
-    links = sum(1 for path in bundle.rglob("*") if path.is_symlink())
+    sizes, files, links = size_report(bundle)
     report = {"bundle": str(bundle), "platform": platform_key(), "cpu_only": args.cpu_only,
               "build_seconds": None if args.verify_only else round(build_s, 1),
               "total_bytes": sum(sizes.values()), "files": files, "symlinks": links,

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import app.native_libs as native_libs
 from app.cli import main
-from app.native_libs import check_cuda_libraries, check_driver
+from app.native_libs import check_cuda_libraries, check_driver, library_dirs
 
 
 def test_torchs_cuda_libraries_are_found_and_load_or_need_only_the_driver():
-    checks = check_cuda_libraries()
+    checks = check_cuda_libraries(library_dirs())
     names = {check.name for check in checks}
     if not names:  # a CPU-only torch carries none
         return

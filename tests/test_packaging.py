@@ -37,7 +37,6 @@ def dist(tmp_path_factory) -> Iterator[Path]:
     work = folder.parent / "pyinstaller-work"
     try:
         built = run("packaging/build.py", "--dist", str(folder), "--work", str(work))
-        shutil.rmtree(work, ignore_errors=True)
         assert built.returncode == 0, built.stdout + built.stderr[-5000:]
         assert "manifest: all required files present" in built.stdout
         yield folder
