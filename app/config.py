@@ -15,6 +15,7 @@ from typing import Any
 
 import platformdirs
 from pydantic import ByteSize, Field, ValidationError, field_validator, model_validator
+from pydantic_core import ErrorDetails
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -24,6 +25,7 @@ from pydantic_settings import (
 
 APP_NAME = "vramguard"
 ENV_PREFIX = "VRAMGUARD_"
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")  # names that reach only this computer
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
 _toml_path: ContextVar[Path | None] = ContextVar("vramguard_toml_path", default=None)
 
@@ -35,6 +37,16 @@ class ConfigError(Exception):
 def default_config_file() -> Path:
     """The per-user TOML file read when no other is named."""
     return Path(platformdirs.user_config_dir(APP_NAME, appauthor=False)) / "config.toml"
+
+
+def config_file_in_use(given: Path | None = None) -> Path:
+    """The TOML file settings come from: ``--config``, else VRAMGUARD_CONFIG, else the
+    per-user one (which need not exist)."""
+    if given is not None:
+        return given
+    if os.environ.get(f"{ENV_PREFIX}CONFIG"):
+        return Path(os.environ[f"{ENV_PREFIX}CONFIG"])
+    return default_config_file()
 
 
 def default_cache_dir() -> Path:
@@ -167,7 +179,7 @@ class Settings(BaseSettings):
         return (init_settings, env_settings, toml)
 
 
-def _describe(error: dict[str, Any]) -> str:
+def _describe(error: ErrorDetails) -> str:
     name = ".".join(str(part) for part in error["loc"])
     if not name:
         return f"invalid settings: {error['msg'].removeprefix('Value error, ')}"
@@ -182,11 +194,9 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
 
     ``overrides`` are the command-line values (None means "not given").
     """
-    if config_file is None and os.environ.get(f"{ENV_PREFIX}CONFIG"):
-        config_file = Path(os.environ[f"{ENV_PREFIX}CONFIG"])
-    if config_file is not None and not config_file.is_file():
-        raise ConfigError(f"config file not found: {config_file}")
-    path = config_file or default_config_file()
+    path = config_file_in_use(config_file)
+    if path != default_config_file() and not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
     token = _toml_path.set(path if path.is_file() else None)
     given = {key: value for key, value in overrides.items() if value is not None}
     try:

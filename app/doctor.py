@@ -5,9 +5,10 @@ from __future__ import annotations
 import platform
 import sys
 import time
+from pathlib import Path
 
 from app import __version__
-from app.config import Settings, default_config_file
+from app.config import Settings
 from app.native_libs import check_cuda_libraries, check_driver, check_vc_runtime, library_dirs
 
 
@@ -45,7 +46,7 @@ def _native_libraries(settings: Settings) -> int:
     return problems + (not driver.ok and wants_gpu)
 
 
-def run_doctor(settings: Settings) -> int:
+def run_doctor(settings: Settings, config_file: Path) -> int:
     """Print one line per check; exit status 1 when any check found a problem."""
     _line("vramguard", __version__)
     _line("python", f"{platform.python_version()} ({sys.executable})")
@@ -68,7 +69,8 @@ def run_doctor(settings: Settings) -> int:
 
     _line("torch", f"{torch.__version__} (built for CUDA {torch.version.cuda or 'none'})")
     _line("torchvision", torchvision.__version__)
-    _line("config file", default_config_file())
+    _line("config file", f"{config_file}" + ("" if config_file.is_file() else
+                                              " (none there: defaults are used)"))
     _line("cache folder", f"{settings.cache_dir} ({'on' if settings.cache else 'off'})")
     _line("log folder", settings.log_dir)
     _line("admin token file", settings.token_file)
@@ -89,25 +91,23 @@ def run_doctor(settings: Settings) -> int:
     try:
         started = time.perf_counter()
         engine = InferenceEngine(settings)
-        model = engine.load()
-        engine.warm_up()
+        runtime = engine.warm_up(engine.load())
         elapsed = time.perf_counter() - started
-        _line("model", f"{model.name} loaded and warmed up in {elapsed:.2f} s "
-              f"({model.weights_file})")
+        _line("model", f"{runtime.model.name} loaded and warmed up in {elapsed:.2f} s "
+              f"({runtime.model.weights_file})")
     except (ModelLoadError, RuntimeError, OSError) as exc:
         _line("model", exc, ok=False)
         print(f"{problems + 1} problem(s) found")
         return 1
-    assert engine.guard is not None and engine.memory is not None and engine.warmup is not None
-    fit = engine.memory.fit
+    fit = runtime.memory.fit
     _line("batch size", f"{engine.batcher.max_batch} "
-          f"({engine.warmup.throughput_at(engine.batcher.max_batch):.1f} images/s at warmup)")
+          f"({runtime.warmup.throughput_at(engine.batcher.max_batch):.1f} images/s at warmup)")
     _line("memory per batch", f"{human_bytes(fit.fixed_bytes)} + "
           f"{human_bytes(fit.bytes_per_sample)} per image (measured at warmup)")
     print("   budget:")
-    for text in engine.guard.budget.lines():
+    for text in runtime.guard.budget.lines():
         print(f"     {text}")
-    if engine.guard.budget_bytes < fit.peak(1):
+    if runtime.guard.budget_bytes < fit.peak(1):
         _line("budget", "too small for even one image: close programs that use the GPU, or "
               "raise memory_fraction", ok=False)
         problems += 1

@@ -66,6 +66,12 @@ class DeadlineExceeded(ApiError):
     status, code = 503, "deadline_exceeded"
 
 
+def too_busy_to_start() -> DeadlineExceeded:
+    """The answer when a request's deadline passes before its work could even start."""
+    return DeadlineExceeded("vramguard is too busy to look at this image in time. "
+                            "Try again shortly.", retry_after=2)
+
+
 class NotReady(ApiError):
     status, code = 503, "not_ready"
 

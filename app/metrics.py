@@ -10,7 +10,7 @@ device.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -23,37 +23,48 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.guard.rate_limit import route_family
+from app.gates.rate_limit import route_family
+from app.memory.guard import GuardState
+from app.schemas import MemoryReport
 
 if TYPE_CHECKING:
     from app.state import AppState
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 15, 30)
-MEMORY_GAUGES = {
-    "device_memory_total_bytes": ("total_bytes", "Memory of the whole device."),
-    "device_memory_used_bytes": ("used_bytes", "Memory in use on the device, all programs."),
-    "device_memory_free_bytes": ("free_bytes", "Free memory on the device."),
-    "torch_allocated_bytes": ("allocated_bytes", "Bytes held by live tensors."),
-    "torch_reserved_bytes": ("reserved_bytes", "Bytes held by PyTorch's allocator."),
-    "torch_peak_allocated_bytes": ("peak_allocated_bytes", "Peak of allocated since reset."),
-    "torch_peak_reserved_bytes": ("peak_reserved_bytes", "Peak of reserved since reset."),
-    "memory_budget_bytes": ("budget_bytes", "Current memory budget for images in flight."),
-    "memory_low_watermark_bytes": ("low_watermark_bytes", "Below this, shedding ends."),
-    "memory_high_watermark_bytes": ("high_watermark_bytes", "Above this, load is shed."),
-    "memory_usage_bytes": ("usage_bytes", "Memory use the watermarks are compared with."),
-    "bytes_per_sample": ("bytes_per_sample", "Measured memory per image (k)."),
-    "max_batch_now": ("max_batch_now", "Images that fit in a batch now."),
+MEMORY_GAUGES: dict[str, tuple[Callable[[MemoryReport], int], str]] = {
+    "device_memory_total_bytes": (lambda r: r.total_bytes, "Memory of the whole device."),
+    "device_memory_used_bytes": (lambda r: r.used_bytes,
+                                 "Memory in use on the device, all programs."),
+    "device_memory_free_bytes": (lambda r: r.free_bytes, "Free memory on the device."),
+    "torch_allocated_bytes": (lambda r: r.allocated_bytes, "Bytes held by live tensors."),
+    "torch_reserved_bytes": (lambda r: r.reserved_bytes, "Bytes held by PyTorch's allocator."),
+    "torch_peak_allocated_bytes": (lambda r: r.peak_allocated_bytes,
+                                   "Peak of allocated since reset."),
+    "torch_peak_reserved_bytes": (lambda r: r.peak_reserved_bytes,
+                                  "Peak of reserved since reset."),
+    "memory_budget_bytes": (lambda r: r.budget_bytes,
+                            "Current memory budget for images in flight."),
+    "memory_low_watermark_bytes": (lambda r: r.low_watermark_bytes,
+                                   "Below this, shedding ends."),
+    "memory_high_watermark_bytes": (lambda r: r.high_watermark_bytes,
+                                    "Above this, load is shed."),
+    "memory_usage_bytes": (lambda r: r.usage_bytes,
+                           "Memory use the watermarks are compared with."),
+    "bytes_per_sample": (lambda r: r.bytes_per_sample, "Measured memory per image (k)."),
+    "max_batch_now": (lambda r: r.max_batch_now, "Images that fit in a batch now."),
 }
-OOM_COUNTERS = {
-    "oom_events": ("oom_events", "Out-of-memory errors in a forward pass."),
-    "oom_recoveries": ("oom_recoveries", "Batches answered in full after an out-of-memory."),
-    "oom_failures": ("oom_failures", "Images refused because they did not fit alone."),
-    "memory_state_changes": ("state_changes", "Changes of the memory state."),
-    "idle_releases": ("idle_releases", "Times cached memory was given back while idle."),
-    "cache_empties": ("cache_empties", "Empty-cache requests (tray, dashboard, API)."),
+OOM_COUNTERS: dict[str, tuple[Callable[[MemoryReport], int], str]] = {
+    "oom_events": (lambda r: r.oom_events, "Out-of-memory errors in a forward pass."),
+    "oom_recoveries": (lambda r: r.oom_recoveries,
+                       "Batches answered in full after an out-of-memory."),
+    "oom_failures": (lambda r: r.oom_failures,
+                     "Images refused because they did not fit alone."),
+    "memory_state_changes": (lambda r: r.state_changes, "Changes of the memory state."),
+    "idle_releases": (lambda r: r.idle_releases,
+                      "Times cached memory was given back while idle."),
+    "cache_empties": (lambda r: r.cache_empties, "Empty-cache requests (tray, dashboard, API)."),
 }
-STATES = ("ok", "high", "shedding")
 
 
 class AppCollector(Collector):
@@ -65,18 +76,8 @@ class AppCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         engine, stats = self.state.engine, self.state.stats
         report = engine.last_report
-        for name, (key, doc) in MEMORY_GAUGES.items():
-            if isinstance(report.get(key), int | float):
-                yield GaugeMetricFamily(f"vramguard_{name}", doc, value=report[key])
-        if "state" in report:
-            family = GaugeMetricFamily("vramguard_memory_state", "1 for the current memory "
-                                       "state (ok, high, shedding).", labels=["state"])
-            for name in STATES:
-                family.add_metric([name], 1.0 if report["state"] == name else 0.0)
-            yield family
-        for name, (key, doc) in OOM_COUNTERS.items():
-            if isinstance(report.get(key), int):
-                yield CounterMetricFamily(f"vramguard_{name}", doc, value=report[key])
+        if report is not None:
+            yield from self._memory(report)
         batcher = engine.batcher
         yield GaugeMetricFamily("vramguard_queue_depth", "Images waiting for the model.",
                                 value=batcher.queue_depth)
@@ -90,11 +91,23 @@ class AppCollector(Collector):
                                   value=counts.get("ok", 0) if self.state.cache else 0)
         yield CounterMetricFamily("vramguard_rate_limited", "Requests refused with 429.",
                                   value=self.state.limiter.rejected)
-        if engine.warmup is not None:
+        if engine.runtime is not None:
             yield GaugeMetricFamily("vramguard_warmup_duration_seconds", "How long warmup took.",
-                                    value=engine.warmup.duration_s)
+                                    value=engine.runtime.warmup.duration_s)
         yield GaugeMetricFamily("vramguard_ready", "1 once the model is warmed up.",
                                 value=1.0 if engine.ready else 0.0)
+
+    @staticmethod
+    def _memory(report: MemoryReport) -> Iterator[Metric]:
+        for name, (read, doc) in MEMORY_GAUGES.items():
+            yield GaugeMetricFamily(f"vramguard_{name}", doc, value=read(report))
+        family = GaugeMetricFamily("vramguard_memory_state", "1 for the current memory "
+                                   "state (ok, high, shedding).", labels=["state"])
+        for state in GuardState:
+            family.add_metric([state.value], 1.0 if report.state is state else 0.0)
+        yield family
+        for name, (read, doc) in OOM_COUNTERS.items():
+            yield CounterMetricFamily(f"vramguard_{name}", doc, value=read(report))
 
     def _batch_sizes(self) -> Metric:
         sizes = dict(self.state.engine.batcher.stats.sizes)
@@ -109,13 +122,16 @@ class AppCollector(Collector):
 class Metrics:
     """The registry and the request instruments of one app."""
 
-    def __init__(self, state: AppState) -> None:
+    def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter("vramguard_requests", "HTTP requests answered.",
                                 ["route", "status"], registry=self.registry)
         self.latency = Histogram("vramguard_request_duration_seconds", "Time to answer.",
                                  ["route", "status"], buckets=LATENCY_BUCKETS,
                                  registry=self.registry)
+
+    def collect_from(self, state: AppState) -> None:
+        """Read the app's figures at every scrape (once its state exists)."""
         self.registry.register(AppCollector(state))
 
     def render(self) -> bytes:

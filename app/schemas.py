@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
+from app.memory.guard import GuardState
+
 
 class PredictionOut(BaseModel):
     label: str
@@ -66,3 +68,60 @@ class StatsResponse(BaseModel):
     requests: dict[str, int] = Field(description="Answered requests by outcome code.")
     rate_limited: int = Field(description="Requests refused with 429 since start.")
     cache_entries: int | None
+
+
+class ProfilePoint(BaseModel):
+    batch_size: int
+    peak_bytes: int = Field(description="Peak memory of one forward pass of this batch size.")
+
+
+class MemoryReport(BaseModel):
+    """What ``GET /v1/memory`` answers; the tray, the dashboard and /metrics read these fields."""
+
+    device: str
+    source: str = Field(description="Where device figures come from: nvml, torch or system.")
+    nvml: bool = Field(description="Whether NVIDIA's management library is answering.")
+    total_bytes: int = Field(description="Memory of the whole device.")
+    used_bytes: int = Field(description="Memory in use on the device, all programs.")
+    free_bytes: int
+    allocated_bytes: int = Field(description="Bytes held by live tensors.")
+    reserved_bytes: int = Field(description="Bytes held by PyTorch's allocator.")
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    others_bytes: int = Field(description="Memory other programs hold on the device.")
+    weights_bytes: int
+    overhead_bytes: int = Field(description="Device memory not held by PyTorch at warmup "
+                                            "(context, libraries, other programs).")
+    configured_budget_bytes: int
+    budget_bytes: int = Field(description="Budget for images in flight, after others' use.")
+    low_watermark_bytes: int
+    high_watermark_bytes: int
+    usage_bytes: int = Field(description="Use the watermarks are compared with.")
+    state: GuardState
+    fixed_bytes: int = Field(description="c: memory of a batch that does not grow with it.")
+    bytes_per_sample: int = Field(description="k: memory per image, now (raised by OOMs).")
+    profiled_bytes_per_sample: int = Field(description="k as measured at warmup.")
+    profile_points: list[ProfilePoint]
+    max_batch_now: int = Field(description="Images that fit in a batch right now.")
+    cpu_memory_cap_bytes: int | None
+    process_used_bytes: int | None = Field(description="This process's use of the whole "
+                                                      "device, where the driver reports it.")
+    oom_events: int
+    oom_recoveries: int
+    oom_failures: int
+    state_changes: int
+    idle_releases: int
+    cache_empties: int
+
+
+class LiveSample(MemoryReport):
+    """One ``sample`` event of ``GET /v1/events``: the memory report with queue figures."""
+
+    t: float = Field(description="Unix time of the sample.")
+    queue_depth: int
+    in_flight: int
+    batches: int
+    mean_batch_size: float
+    paused: bool
+    requests: dict[str, int]
+    rate_limited: int

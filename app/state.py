@@ -4,14 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from starlette.requests import HTTPConnection
+
 from app.cache import ResultCache
 from app.config import Settings
+from app.cpu_pool import CpuPool
 from app.engine.engine import InferenceEngine
-from app.events import EventHub
-from app.guard.rate_limit import RateLimiter
-from app.guard.ui_session import UiSessions
+from app.event_hub import EventHub
+from app.gates.rate_limit import RateLimiter
+from app.gates.ui_session import UiSessions
+from app.metrics import Metrics
 from app.stats import RequestStats
-from app.workers import CpuPool
 
 
 @dataclass
@@ -25,3 +28,12 @@ class AppState:
     limiter: RateLimiter
     events: EventHub
     ui_sessions: UiSessions
+    metrics: Metrics
+
+
+def state_of(connection: HTTPConnection) -> AppState:
+    """The app's state, typed, from a request handler or dependency."""
+    state = connection.app.state.vg
+    if not isinstance(state, AppState):
+        raise TypeError("the app was not built by create_app")
+    return state

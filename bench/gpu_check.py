@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from app.config import load_settings
-from app.engine.engine import InferenceEngine
+from app.engine.engine import InferenceEngine, Runtime
 from app.engine.oom import OomRecovery
 from app.engine.predictor import Prediction
 from app.errors import InsufficientMemory
@@ -29,48 +29,46 @@ from app.memory.probes import CpuProbe, CudaProbe, Probe
 from app.units import human_bytes
 
 
-def _squeeze(engine: InferenceEngine, limit_bytes: int) -> Probe:
+def _squeeze(runtime: Runtime, limit_bytes: int) -> Probe:
     """A probe whose device holds only ``limit_bytes`` (weights included)."""
-    assert engine.probe is not None
-    if isinstance(engine.probe, CudaProbe):
-        total = torch.cuda.get_device_properties(engine.device).total_memory
-        engine.probe.empty_cache()
-        engine.probe.set_backstop(limit_bytes / total)
-        return engine.probe
-    return CpuProbe(engine.probe.weights, cap=limit_bytes)
+    probe = runtime.probe
+    if isinstance(probe, CudaProbe):
+        total = torch.cuda.get_device_properties(probe.device).total_memory
+        probe.empty_cache()
+        probe.set_backstop(limit_bytes / total)
+        return probe
+    return CpuProbe(probe.weights, cap=limit_bytes)
 
 
-def _release(engine: InferenceEngine) -> None:
-    assert engine.probe is not None
-    engine.probe.set_backstop(1.0)
-    engine.probe.empty_cache()
+def _release(runtime: Runtime) -> None:
+    runtime.probe.set_backstop(1.0)
+    runtime.probe.empty_cache()
 
 
 def run(device: str, seconds: float, max_batch: int) -> dict[str, object]:
     settings = load_settings(device=device, max_batch_size=max_batch, cache=False)
     engine = InferenceEngine(settings)
     started = time.perf_counter()
-    engine.load()
-    engine.warm_up()
+    runtime = engine.warm_up(engine.load())
     warm_s = time.perf_counter() - started
-    assert engine.predictor and engine.guard and engine.memory and engine.probe and engine.warmup
-    predictor, guard, fit = engine.predictor, engine.guard, engine.memory.fit
+    predictor, guard, memory, fit = (runtime.predictor, runtime.guard, runtime.memory,
+                                     runtime.memory.fit)
     chosen = engine.batcher.max_batch
     report: dict[str, object] = {
         "device": str(engine.device),
         "device_name": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda"
         else "cpu",
         "warmup_s": round(warm_s, 2),
-        "warmup": [(t.batch_size, round(t.seconds * 1000, 2)) for t in engine.warmup.timings],
+        "warmup": [(t.batch_size, round(t.seconds * 1000, 2)) for t in runtime.warmup.timings],
         "chosen_batch": chosen,
-        "weights_bytes": engine.memory.weights_bytes,
-        "overhead_bytes": engine.memory.overhead_bytes,
+        "weights_bytes": memory.weights_bytes,
+        "overhead_bytes": memory.overhead_bytes,
         "fixed_bytes_c": fit.fixed_bytes,
         "bytes_per_sample_k": fit.bytes_per_sample,
-        "profile_points": engine.memory.points,
+        "profile_points": memory.points,
         "budget_lines": guard.budget.lines(),
         "budget_bytes": guard.budget_bytes,
-        "max_batch_now": guard.max_batch_now(engine.probe.in_use()),
+        "max_batch_now": guard.max_batch_now(runtime.probe.in_use()),
     }
 
     batch = predictor.random_batch(chosen)
@@ -81,9 +79,9 @@ def run(device: str, seconds: float, max_batch: int) -> dict[str, object]:
         done += chosen
     report["throughput_img_s"] = round(done / (time.perf_counter() - t0), 1)
 
-    baseline = engine.probe.read().allocated
-    fits_two = engine.memory.weights_bytes + fit.peak(2) + fit.bytes_per_sample // 2
-    probe = _squeeze(engine, fits_two)
+    baseline = runtime.probe.read().allocated
+    fits_two = memory.weights_bytes + fit.peak(2) + fit.bytes_per_sample // 2
+    probe = _squeeze(runtime, fits_two)
     recovery = OomRecovery(predictor, guard, probe)
     big = max(8, chosen)
     outcomes = recovery(predictor.random_batch(big))
@@ -93,13 +91,13 @@ def run(device: str, seconds: float, max_batch: int) -> dict[str, object]:
         "sub_batch_sizes": sorted({o.batch_size for o in outcomes if isinstance(o, Prediction)}),
         "oom_events": guard.counters.oom_events, "recoveries": guard.counters.oom_recoveries,
     }
-    _release(engine)
-    probe = _squeeze(engine, engine.memory.weights_bytes + fit.bytes_per_sample // 2)
+    _release(runtime)
+    probe = _squeeze(runtime, memory.weights_bytes + fit.bytes_per_sample // 2)
     single = OomRecovery(predictor, guard, probe)(predictor.random_batch(1))
     report["single_too_big_gives_503"] = isinstance(single[0], InsufficientMemory)
-    _release(engine)
+    _release(runtime)
     del outcomes, single
-    leftover = engine.probe.read().allocated - baseline
+    leftover = runtime.probe.read().allocated - baseline
     report["leak_bytes_after_recovery"] = leftover
     return report
 

@@ -99,7 +99,7 @@ def remove_commands(files: list[PurePosixPath]) -> str:
 
 
 def human(size: int) -> str:
-    return f"{size / 1024**3:.1f} GB" if size >= 1024**3 else f"{size / 1024**2:.0f} MB"
+    return f"{size / 1024**3:.1f} GiB" if size >= 1024**3 else f"{size / 1024**2:.0f} MiB"
 
 
 def part_name(version: str, number: int) -> str:

@@ -8,13 +8,14 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+from live_server import USER_DIRS
 
 
 @pytest.fixture(autouse=True)
 def _isolated_user_dirs(tmp_path_factory, monkeypatch):
     """Never read or write the real user's config, cache or logs."""
     home = tmp_path_factory.mktemp("home")
-    for var in ("HOME", "XDG_CONFIG_HOME", "XDG_CACHE_HOME", "XDG_DATA_HOME", "XDG_STATE_HOME"):
+    for var in USER_DIRS:
         monkeypatch.setenv(var, str(home / var.lower()))
     for name in list(__import__("os").environ):
         if name.startswith("VRAMGUARD_"):

@@ -16,6 +16,7 @@ from bench.process import ROOT, free_port, running
 
 __all__ = ["ROOT", "LiveServer", "live_server"]
 USER_DIRS = ("HOME", "XDG_CONFIG_HOME", "XDG_CACHE_HOME", "XDG_DATA_HOME", "XDG_STATE_HOME")
+"""The variables that point at a user's folders; every test gets its own."""
 
 
 @dataclass

@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from app.events import BUFFER, EventHub
+from app.event_hub import BUFFER, EventHub
 
 
 def test_slow_subscriber_is_dropped_and_memory_stays_bounded():

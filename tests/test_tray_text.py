@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from app.schemas import LiveSample
 from tray.icon import COLOURS, PEAK, TICK, Gauge, Layout, draw_icon
 from tray.text import TOOLTIP_LIMIT, Notifier, gauge_of, menu_lines, tooltip
 
@@ -62,13 +63,24 @@ def test_server_down_is_grey_and_empty():
     assert menu_lines(None) == ["vramguard is not running"]
 
 
-SAMPLE = {
+FIGURES = {
     "budget_bytes": 10 * GiB, "low_watermark_bytes": int(7.5 * GiB),
     "high_watermark_bytes": 9 * GiB, "usage_bytes": int(3.8 * GiB),
     "weights_bytes": 500 * MiB, "peak_reserved_bytes": 500 * MiB + int(6.1 * GiB),
     "reserved_bytes": 500 * MiB + int(4.2 * GiB), "allocated_bytes": 812 * MiB,
     "state": "ok", "queue_depth": 3, "max_batch_now": 4, "paused": False,
 }
+
+
+def sample(**changes: object) -> LiveSample:
+    """A live sample with the figures above; every other field zero or empty."""
+    fields = {name: 0 for name in LiveSample.model_fields}
+    fields |= {"device": "cpu", "source": "system", "nvml": False, "profile_points": [],
+               "cpu_memory_cap_bytes": None, "requests": {}, **FIGURES, **changes}
+    return LiveSample.model_validate(fields)
+
+
+SAMPLE = sample()
 
 
 def test_tooltip_and_menu_text():
@@ -80,8 +92,8 @@ def test_tooltip_and_menu_text():
         "State: healthy",
         "Waiting: 3, batch up to 4",
     ]
-    assert len(tooltip({**SAMPLE, "state": "shedding", "paused": True})) <= TOOLTIP_LIMIT
-    squeezed = menu_lines({**SAMPLE, "budget_bytes": 0, "state": "shedding"})
+    assert len(tooltip(sample(state="shedding", paused=True))) <= TOOLTIP_LIMIT
+    squeezed = menu_lines(sample(budget_bytes=0, state="shedding"))
     assert squeezed[0] == "Used: 3.8 GiB; no budget left (other programs hold the GPU memory)"
 
 

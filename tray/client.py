@@ -3,12 +3,14 @@ per-user token file."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from app.guard.admin_token import load_or_create_token
+from app.gates.admin_token import load_or_create_token
+from app.schemas import LiveSample, MemoryReport, StatsResponse
 
 
 class ServerDown(Exception):
@@ -36,13 +38,21 @@ class ApiClient:
             except (ValueError, KeyError, TypeError):
                 message = response.text[:200]
             raise ServerDown(message) if response.status_code == 503 else RuntimeError(message)
-        return response.json()  # type: ignore[no-any-return]
+        body = response.json()
+        if not isinstance(body, dict):
+            raise RuntimeError(f"unexpected answer from {path}: {response.text[:200]}")
+        return body
 
-    def sample(self) -> dict[str, Any]:
-        """Memory and queue figures in one dict (what the icon and menu show)."""
-        memory = self._call("GET", "/v1/memory")
-        stats = self._call("GET", "/v1/stats")
-        return {**memory, "queue_depth": stats["queue_depth"], "paused": stats["paused"]}
+    def sample(self) -> LiveSample:
+        """Memory and queue figures in one sample (what the icon and menu show), read from
+        /v1/memory and /v1/stats: the same fields as a live event's."""
+        memory = MemoryReport.model_validate(self._call("GET", "/v1/memory"))
+        stats = StatsResponse.model_validate(self._call("GET", "/v1/stats"))
+        return LiveSample(
+            **memory.model_dump(), t=time.time(), queue_depth=stats.queue_depth,
+            in_flight=stats.in_flight, batches=stats.batches,
+            mean_batch_size=stats.mean_batch_size, paused=stats.paused,
+            requests=stats.requests, rate_limited=stats.rate_limited)
 
     def empty_cache(self) -> dict[str, Any]:
         return self._call("POST", "/v1/memory/empty-cache", admin=True)
@@ -63,3 +73,9 @@ class ApiClient:
 
     def close(self) -> None:
         self._http.close()
+
+    def __enter__(self) -> ApiClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

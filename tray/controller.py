@@ -16,6 +16,7 @@ from typing import Any
 
 from PIL import Image
 
+from app.schemas import LiveSample
 from app.units import human_bytes
 from tray.client import ApiClient, ServerDown
 from tray.icon import draw_icon
@@ -31,7 +32,7 @@ class TrayController:
         self.client = client
         self.notify = notify
         self.start_server = start_server
-        self.sample: dict[str, Any] | None = None
+        self.sample: LiveSample | None = None
         self.status = "starting"
         self.server: subprocess.Popen[bytes] | None = None
         self.restarts = 0
@@ -76,7 +77,7 @@ class TrayController:
 
     @property
     def paused(self) -> bool:
-        return bool(self.sample and self.sample.get("paused"))
+        return self.sample is not None and self.sample.paused
 
     # -- actions (menu items) ------------------------------------------------------------
 

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
+from app.schemas import LiveSample
 from app.units import human_bytes
 from tray.icon import Gauge
 
@@ -21,54 +19,54 @@ def _share(part: float, whole: float) -> float:
     return part / whole if whole > 0 else 1.0
 
 
-def gauge_of(sample: Mapping[str, Any] | None) -> Gauge:
-    """The icon's gauge from a /v1/memory (or live event) sample; None means down."""
-    if not sample or "budget_bytes" not in sample:
+def _peak(sample: LiveSample) -> int:
+    """The highest the allocator held for images (weights left out)."""
+    return max(0, sample.peak_reserved_bytes - sample.weights_bytes)
+
+
+def gauge_of(sample: LiveSample | None) -> Gauge:
+    """The icon's gauge from a live sample; None means down."""
+    if sample is None:
         return Gauge(0.0, 0.0, 0.75, 0.9, "down")
-    budget = sample["budget_bytes"]
-    weights = sample.get("weights_bytes", 0)
-    peak = max(0, sample.get("peak_reserved_bytes", 0) - weights)
+    budget = sample.budget_bytes
     return Gauge(
-        used=min(1.0, _share(sample.get("usage_bytes", 0), budget)),
-        peak=min(1.0, _share(peak, budget)),
-        low=_share(sample["low_watermark_bytes"], budget),
-        high=_share(sample["high_watermark_bytes"], budget),
-        state=sample.get("state", "ok"))
+        used=min(1.0, _share(sample.usage_bytes, budget)),
+        peak=min(1.0, _share(_peak(sample), budget)),
+        low=_share(sample.low_watermark_bytes, budget),
+        high=_share(sample.high_watermark_bytes, budget),
+        state=sample.state.value)
 
 
-def tooltip(sample: Mapping[str, Any] | None) -> str:
+def tooltip(sample: LiveSample | None) -> str:
     """e.g. 'vramguard: healthy, 38% of budget, peak 61%' (at most 127 characters)."""
     gauge = gauge_of(sample)
-    if gauge.state == "down":
+    if sample is None:
         text = "vramguard: not running"
     else:
         text = (f"vramguard: {STATE_WORDS.get(gauge.state, gauge.state)}, "
                 f"{gauge.used:.0%} of budget, peak {gauge.peak:.0%}")
-        if sample and sample.get("paused"):
+        if sample.paused:
             text += " (paused)"
     return text[:TOOLTIP_LIMIT]
 
 
-def menu_lines(sample: Mapping[str, Any] | None) -> list[str]:
+def menu_lines(sample: LiveSample | None) -> list[str]:
     """The live, read-only lines at the top of the tray menu."""
-    if not sample or "budget_bytes" not in sample:
+    if sample is None:
         return ["vramguard is not running"]
     gauge = gauge_of(sample)
-    budget = sample["budget_bytes"]
-    weights = sample.get("weights_bytes", 0)
-    peak = max(0, sample.get("peak_reserved_bytes", 0) - weights)
-    used = human_bytes(sample.get("usage_bytes", 0))
+    budget = sample.budget_bytes
+    used = human_bytes(sample.usage_bytes)
     lines = [
         f"Used: {used} of {human_bytes(budget)} budget ({gauge.used:.0%})" if budget > 0 else
         f"Used: {used}; no budget left (other programs hold the GPU memory)",
-        f"Peak: {human_bytes(peak)} ({gauge.peak:.0%})",
-        f"Reserved {human_bytes(sample.get('reserved_bytes', 0))}, "
-        f"in use {human_bytes(sample.get('allocated_bytes', 0))}",
+        f"Peak: {human_bytes(_peak(sample))} ({gauge.peak:.0%})",
+        f"Reserved {human_bytes(sample.reserved_bytes)}, "
+        f"in use {human_bytes(sample.allocated_bytes)}",
         f"State: {STATE_WORDS.get(gauge.state, gauge.state)}",
-        f"Waiting: {sample.get('queue_depth', 0)}, "
-        f"batch up to {sample.get('max_batch_now', 0)}",
+        f"Waiting: {sample.queue_depth}, batch up to {sample.max_batch_now}",
     ]
-    if sample.get("paused"):
+    if sample.paused:
         lines.append("Paused: images are refused until you resume")
     return lines
 

@@ -26,6 +26,7 @@ from app.errors import DeadlineExceeded, Overloaded
 
 P = TypeVar("P")
 R = TypeVar("R")
+T = TypeVar("T")
 log = logging.getLogger("vramguard.engine")
 MEMORY_POLL_S = 0.05
 
@@ -170,9 +171,9 @@ class MicroBatcher(Generic[P, R]):
         """Submit and await the result; cancelling the caller withdraws a queued request."""
         return await asyncio.wrap_future(self.submit(payload, timeout_s))
 
-    def call(self, fn: Callable[[], R]) -> Future[R]:
+    def call(self, fn: Callable[[], T]) -> Future[T]:
         """Run ``fn`` on the device thread between batches (loading, warmup, cache release)."""
-        future: Future[R] = Future()
+        future: Future[T] = Future()
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the device thread is stopping")

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from app.config import Settings
 from app.engine.batcher import MicroBatcher
@@ -21,16 +24,18 @@ from app.engine.device import resolve_device
 from app.engine.oom import OomRecovery, Outcome
 from app.engine.predictor import Prediction, Predictor, Sample
 from app.engine.warmup import WarmupProfile, batch_sizes, profile
-from app.errors import NotReady, Paused
+from app.errors import InsufficientMemory, NotReady, Paused
 from app.memory.budget import Budget
 from app.memory.fit import MemoryFit, fit_linear
 from app.memory.guard import GuardState, MemoryGuard
-from app.memory.probes import MemoryReading, Probe, make_probe
+from app.memory.probes import CpuProbe, MemoryReading, Probe, make_probe
 from app.models import LoadedModel, load_model
+from app.schemas import MemoryReport, ProfilePoint
 
 log = logging.getLogger("vramguard.engine")
 GPU_DEFAULT_WAIT_S = 0.002
 MEMORY_PROFILE_SIZES = 4  # batch sizes 1, 2, 4, 8 (as far as warmup went)
+T = TypeVar("T")
 
 
 class Phase(enum.StrEnum):
@@ -53,31 +58,39 @@ class MemoryProfile:
     points: list[tuple[int, int]]
 
 
+@dataclass(frozen=True)
+class Runtime:
+    """A loaded, warmed-up model and everything measured about it: they exist together."""
+
+    model: LoadedModel
+    predictor: Predictor
+    probe: Probe
+    guard: MemoryGuard
+    recovery: OomRecovery
+    memory: MemoryProfile
+    warmup: WarmupProfile
+
+
 def weights_bytes(model: LoadedModel) -> int:
     module = model.module
     return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
 
 
 class InferenceEngine:
-    """Owns the model, the batcher and the guard; ``start`` must finish before ``classify``."""
+    """Owns the batcher and, once warmed up, the runtime; ``start`` must finish before
+    ``classify``."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.device = resolve_device(settings.device)
         self.phase = Phase.STARTING
         self.error: str | None = None
-        self.model: LoadedModel | None = None
-        self.predictor: Predictor | None = None
-        self.warmup: WarmupProfile | None = None
-        self.memory: MemoryProfile | None = None
-        self.probe: Probe | None = None
-        self.guard: MemoryGuard | None = None
-        self._recovery: OomRecovery | None = None
+        self.runtime: Runtime | None = None
         self._peak_since_tick = 0
         self._last_activity = time.monotonic()
         self._released = True
         self.paused = False
-        self.last_report: dict[str, object] = {}
+        self.last_report: MemoryReport | None = None
         wait_s = settings.max_wait_ms / 1000 if settings.max_wait_ms is not None else (
             GPU_DEFAULT_WAIT_S if self.device.type == "cuda" else 0.0)
         self.batcher: MicroBatcher[Sample, Outcome] = MicroBatcher(
@@ -88,26 +101,31 @@ class InferenceEngine:
     def ready(self) -> bool:
         return self.phase is Phase.READY
 
+    def require_runtime(self) -> Runtime:
+        """The runtime of a ready engine; NotReady (503) before warmup has finished."""
+        if not self.ready or self.runtime is None:
+            raise NotReady(self.not_ready_message(), retry_after=5)
+        return self.runtime
+
     async def start(self) -> None:
         """Load the model and run warmup on the device thread; record any failure."""
         self.batcher.start()
         try:
             self.phase = Phase.LOADING
-            self.model = await asyncio.wrap_future(self.batcher.call(self.load))
+            model = await self.on_device(self.load)
             self.phase = Phase.WARMING_UP
-            await asyncio.wrap_future(self.batcher.call(self.warm_up))
+            runtime = await self.on_device(functools.partial(self.warm_up, model))
         except Exception as exc:
             self.phase = Phase.FAILED
             self.error = str(exc) or type(exc).__name__
             log.exception("model %s could not start", self.settings.model)
             return
-        assert self.warmup is not None and self.memory is not None and self.guard is not None
         self.phase = Phase.READY
         log.info("ready: %s on %s, batch size %d (%.1f images/s), warmup %.1f s; "
-                 "%d bytes per image, budget %d bytes", self.model.name, self.device,
-                 self.batcher.max_batch, self.warmup.throughput_at(self.batcher.max_batch),
-                 self.warmup.duration_s, self.memory.fit.bytes_per_sample,
-                 self.guard.budget_bytes)
+                 "%d bytes per image, budget %d bytes", runtime.model.name, self.device,
+                 self.batcher.max_batch, runtime.warmup.throughput_at(self.batcher.max_batch),
+                 runtime.warmup.duration_s, runtime.memory.fit.bytes_per_sample,
+                 runtime.guard.budget_bytes)
 
     def stop(self) -> None:
         self.phase = Phase.STOPPED
@@ -116,154 +134,164 @@ class InferenceEngine:
     async def classify(self, sample: Sample, timeout_s: float) -> Prediction:
         """Queue one preprocessed image for at most ``timeout_s``; raises Overloaded /
         DeadlineExceeded when busy, Paused while paused."""
-        if not self.ready:
-            raise NotReady(self.not_ready_message(), retry_after=5)
+        self.require_runtime()
         if self.paused:
             raise Paused("vramguard is paused. Resume it from the tray or with "
                          "POST /v1/admin/resume.", retry_after=30)
         self._last_activity = time.monotonic()
         outcome = await self.batcher.infer(sample, timeout_s)
-        assert isinstance(outcome, Prediction)
+        if isinstance(outcome, InsufficientMemory):
+            raise outcome
         return outcome
 
     def not_ready_message(self) -> str:
         if self.phase is Phase.FAILED:
             return f"The model could not be started: {self.error}"
+        if self.phase is Phase.STOPPED:
+            return "vramguard is shutting down."
         return "vramguard is still starting up (loading and warming up the model)."
 
-    async def on_device(self, fn: object) -> object:
+    async def on_device(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the device thread and await it."""
-        return await asyncio.wrap_future(self.batcher.call(fn))  # type: ignore[arg-type]
+        return await asyncio.wrap_future(self.batcher.call(fn))
 
     # -- on the device thread --------------------------------------------------------------
 
     def load(self) -> LoadedModel:
         """Load the model on the calling thread (the server calls it on the device thread)."""
-        model = load_model(self.settings.model, self.device, self.settings.weights)
-        self.predictor = Predictor(model, keep_all=self.settings.cache)
+        return load_model(self.settings.model, self.device, self.settings.weights)
+
+    def warm_up(self, model: LoadedModel) -> Runtime:
+        """Time batch sizes, measure their memory, set up the guard (before any cap applies),
+        and install the runtime. Runs on the calling thread, like ``load``."""
+        predictor = Predictor(model, keep_all=self.settings.cache)
         cap = int(self.settings.cpu_memory_cap) if self.settings.cpu_memory_cap else None
-        self.probe = make_probe(self.device, weights_bytes(model), cap)
-        return model
-
-    def warm_up(self) -> None:
-        """Time batch sizes, measure their memory, set up the guard (before any cap applies).
-
-        Runs on the calling thread, like ``load``.
-        """
-        assert self.predictor is not None and self.probe is not None
-        predictor, probe = self.predictor, self.probe
-        self.warmup = profile(lambda size: predictor(predictor.random_batch(size)),
-                              self.settings.max_batch_size, self.settings.target_latency_ms / 1000)
-        tried = [t.batch_size for t in self.warmup.timings]
+        probe = make_probe(self.device, weights_bytes(model), cap)
+        warmup = profile(lambda size: predictor(predictor.random_batch(size)),
+                         self.settings.max_batch_size, self.settings.target_latency_ms / 1000)
+        tried = [t.batch_size for t in warmup.timings]
         points = []
         for size in (tried or batch_sizes(1))[:MEMORY_PROFILE_SIZES]:
             batch = predictor.random_batch(size)
-            points.append((size, probe.measure_peak(lambda b=batch: predictor(b))))
+            points.append((size, probe.measure_peak(functools.partial(predictor, batch))))
         probe.empty_cache()
         reading = probe.read()
-        overhead = reading.overhead
-        self.memory = MemoryProfile(probe.weights, overhead, reading.others, fit_linear(points),
-                                    points)
+        memory = MemoryProfile(probe.weights, reading.overhead, reading.others,
+                               fit_linear(points), points)
         budget = Budget(total=reading.total, fraction=self.settings.memory_fraction,
-                        weights=probe.weights, overhead=overhead,
+                        weights=probe.weights, overhead=reading.overhead,
                         cap=int(self.settings.memory_budget) if self.settings.memory_budget
                         else None)
-        chosen = self.settings.batch_size or self.warmup.chosen_batch_size
-        self.guard = MemoryGuard(budget, self.memory.fit, max_batch=chosen,
-                                 high=self.settings.high_watermark, low=self.settings.low_watermark)
-        self._recovery = OomRecovery(predictor, self.guard, probe)
+        chosen = self.settings.batch_size or warmup.chosen_batch_size
+        guard = MemoryGuard(budget, memory.fit, max_batch=chosen,
+                            high=self.settings.high_watermark, low=self.settings.low_watermark)
         probe.set_backstop(self.settings.memory_fraction)
         probe.reset_peak()
         self.batcher.set_max_batch(chosen)
-        self.batcher.set_service_rate(self.warmup.throughput_at(chosen))
+        self.batcher.set_service_rate(warmup.throughput_at(chosen))
+        runtime = Runtime(model, predictor, probe, guard, OomRecovery(predictor, guard, probe),
+                          memory, warmup)
+        self.runtime = runtime
+        # Published before the engine says ready, so /metrics has every memory series
+        # from the first scrape after /readyz answers 200.
+        self.last_report = self._report(runtime)
+        return runtime
 
     def _batch_limit(self) -> int:
-        if self.guard is None or self.probe is None:
+        if self.runtime is None:
             return self.batcher.max_batch
-        return self.guard.max_batch_now(self.probe.in_use())
+        return self.runtime.guard.max_batch_now(self.runtime.probe.in_use())
 
     def _run_batch(self, samples: list[Sample]) -> list[Outcome]:
-        assert self._recovery is not None and self.guard is not None and self.probe is not None
-        outcomes = self._recovery(samples)
-        measured = self.probe.batch_peak()
-        usage = measured if measured is not None else self.guard.fit.peak(len(samples))
-        usage = max(usage, self.probe.held())
+        runtime = self.runtime
+        if runtime is None:
+            raise RuntimeError("a batch ran before warmup finished")
+        guard, probe = runtime.guard, runtime.probe
+        outcomes = runtime.recovery(samples)
+        measured = probe.batch_peak()
+        usage = measured if measured is not None else guard.fit.peak(len(samples))
+        usage = max(usage, probe.held())
         self._peak_since_tick = max(self._peak_since_tick, usage)
-        if self.guard.observe(usage) is GuardState.SHEDDING:
-            self.probe.empty_cache()
+        if guard.observe(usage) is GuardState.SHEDDING:
+            probe.empty_cache()
         self._released = False
         return outcomes
 
     def tick(self) -> MemoryReading | None:
         """Once a second: follow other programs' memory, update the state, release when idle."""
-        if self.guard is None or self.probe is None or self.memory is None:
+        runtime = self.runtime
+        if runtime is None:
             return None
-        reading = self.probe.read()
-        self.guard.shrink_for_others(reading.others - self.memory.others_at_start)
-        usage, self._peak_since_tick = max(self._peak_since_tick, self.probe.held()), 0
-        self.guard.observe(usage)
+        guard, probe = runtime.guard, runtime.probe
+        reading = probe.read()
+        guard.shrink_for_others(reading.others - runtime.memory.others_at_start)
+        usage, self._peak_since_tick = max(self._peak_since_tick, probe.held()), 0
+        guard.observe(usage)
         idle = time.monotonic() - self._last_activity
         if (self.settings.idle_release_s and idle >= self.settings.idle_release_s
                 and not self._released and self.batcher.queue_depth == 0):
             self.release()
-            self.guard.counters.idle_releases += 1
+            guard.counters.idle_releases += 1
             log.info("idle for %.0f s: cached memory given back", idle)
-        self.last_report = self.memory_report()
+        self.last_report = self._report(runtime)
         return reading
 
     def release(self) -> tuple[int, int]:
         """Empty the allocator cache and trust the profile again; bytes held before/after."""
-        assert self.probe is not None and self.guard is not None
-        before = self.probe.read().reserved
-        self.probe.empty_cache()
-        self.guard.relax()
+        runtime = self.require_runtime()
+        before = runtime.probe.read().reserved
+        runtime.probe.empty_cache()
+        runtime.guard.relax()
         self._released = True
-        return before, self.probe.read().reserved
+        return before, runtime.probe.read().reserved
 
-    def memory_report(self) -> dict[str, object]:
+    def memory_report(self) -> MemoryReport:
         """Everything /v1/memory shows; call on the device thread."""
-        if self.guard is None or self.probe is None or self.memory is None:
-            return {"device": str(self.device), "state": "starting"}
-        reading = self.probe.read()
-        guard, counters = self.guard, self.guard.counters
-        return {
-            "device": reading.device,
-            "source": reading.source,
-            "nvml": reading.source == "nvml",
-            "total_bytes": reading.total,
-            "used_bytes": reading.used,
-            "free_bytes": reading.free,
-            "allocated_bytes": reading.allocated,
-            "reserved_bytes": reading.reserved,
-            "peak_allocated_bytes": reading.peak_allocated,
-            "peak_reserved_bytes": reading.peak_reserved,
-            "others_bytes": reading.others,
-            "weights_bytes": self.memory.weights_bytes,
-            "overhead_bytes": self.memory.overhead_bytes,
-            "configured_budget_bytes": guard.configured_bytes,
-            "budget_bytes": guard.budget_bytes,
-            "low_watermark_bytes": guard.low_bytes,
-            "high_watermark_bytes": guard.high_bytes,
-            "usage_bytes": guard.usage,
-            "state": guard.state.value,
-            "fixed_bytes": guard.fit.fixed_bytes,
-            "bytes_per_sample": guard.fit.bytes_per_sample,
-            "profiled_bytes_per_sample": guard.profiled.bytes_per_sample,
-            "profile_points": [{"batch_size": b, "peak_bytes": p} for b, p in self.memory.points],
-            "max_batch_now": guard.max_batch_now(self.probe.in_use()),
-            "cpu_memory_cap_bytes": getattr(self.probe, "cap", None),
-            "process_used_bytes": self.probe.process_used(),
-            "oom_events": counters.oom_events,
-            "oom_recoveries": counters.oom_recoveries,
-            "oom_failures": counters.oom_failures,
-            "state_changes": counters.state_changes,
-            "idle_releases": counters.idle_releases,
-            "cache_empties": counters.cache_empties,
-        }
+        return self._report(self.require_runtime())
+
+    @staticmethod
+    def _report(runtime: Runtime) -> MemoryReport:
+        probe, guard, memory = runtime.probe, runtime.guard, runtime.memory
+        reading = probe.read()
+        counters = guard.counters
+        return MemoryReport(
+            device=reading.device,
+            source=reading.source,
+            nvml=reading.source == "nvml",
+            total_bytes=reading.total,
+            used_bytes=reading.used,
+            free_bytes=reading.free,
+            allocated_bytes=reading.allocated,
+            reserved_bytes=reading.reserved,
+            peak_allocated_bytes=reading.peak_allocated,
+            peak_reserved_bytes=reading.peak_reserved,
+            others_bytes=reading.others,
+            weights_bytes=memory.weights_bytes,
+            overhead_bytes=memory.overhead_bytes,
+            configured_budget_bytes=guard.configured_bytes,
+            budget_bytes=guard.budget_bytes,
+            low_watermark_bytes=guard.low_bytes,
+            high_watermark_bytes=guard.high_bytes,
+            usage_bytes=guard.usage,
+            state=guard.state,
+            fixed_bytes=guard.fit.fixed_bytes,
+            bytes_per_sample=guard.fit.bytes_per_sample,
+            profiled_bytes_per_sample=guard.profiled.bytes_per_sample,
+            profile_points=[ProfilePoint(batch_size=b, peak_bytes=p) for b, p in memory.points],
+            max_batch_now=guard.max_batch_now(probe.in_use()),
+            cpu_memory_cap_bytes=probe.cap if isinstance(probe, CpuProbe) else None,
+            process_used_bytes=probe.process_used(),
+            oom_events=counters.oom_events,
+            oom_recoveries=counters.oom_recoveries,
+            oom_failures=counters.oom_failures,
+            state_changes=counters.state_changes,
+            idle_releases=counters.idle_releases,
+            cache_empties=counters.cache_empties,
+        )
 
     def reset_peak(self) -> tuple[int, int]:
         """Reset the peak figures; peak allocated bytes before/after."""
-        assert self.probe is not None
-        before = self.probe.read().peak_allocated
-        self.probe.reset_peak()
-        return before, self.probe.read().peak_allocated
+        probe = self.require_runtime().probe
+        before = probe.read().peak_allocated
+        probe.reset_peak()
+        return before, probe.read().peak_allocated

@@ -12,6 +12,7 @@ import contextlib
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import psutil
 import torch
@@ -50,7 +51,8 @@ class CudaProbe:
     def __init__(self, device: torch.device, weights: int) -> None:
         self.device = device
         self.weights = weights
-        props = torch.cuda.get_device_properties(device)
+        # The PCI address is on every CUDA build's device properties, but not in torch's stubs.
+        props: Any = torch.cuda.get_device_properties(device)
         bus = (f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:"
                f"{props.pci_device_id:02X}.0")
         self.nvml = Nvml.open(bus, device.index or 0)

@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
 
-class LiveTensorTracker(TorchDispatchMode):
+class LiveTensorTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch: no hints
     """Counts live storage bytes created under it; optionally refuses to pass ``cap``.
 
     ``base`` is memory held outside the tracker (the weights) that counts
@@ -29,18 +29,13 @@ class LiveTensorTracker(TorchDispatchMode):
     """
 
     def __init__(self, cap: int | None = None, base: int = 0) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         self.cap = cap
         self.base = base
         self.live = 0
         self.peak = 0
         self._storages: dict[int, int] = {}
         self._lock = threading.Lock()
-
-    @property
-    def in_use(self) -> int:
-        """Base plus live tracked bytes, like torch.cuda.memory_allocated()."""
-        return self.base + self.live
 
     def reset_peak(self) -> None:
         with self._lock:

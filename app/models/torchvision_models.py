@@ -38,7 +38,7 @@ def weights_file(name: str, weights: Path | None) -> Path:
         if not weights.is_file():
             raise ModelLoadError(f"The weights file {weights} does not exist.")
         return weights
-    filename = os.path.basename(enum.url)
+    filename = os.path.basename(str(enum.url))
     cached = Path(torch.hub.get_dir()) / "checkpoints" / filename
     if cached.is_file():
         return cached
@@ -62,7 +62,7 @@ def build(name: str, state: dict[str, Any]) -> tuple[nn.Module, Preprocessing]:
     preprocessing = Preprocessing(
         resize=resize,
         crop=crop,
-        mean=tuple(255.0 * m for m in transform.mean),  # type: ignore[arg-type]
-        std=tuple(255.0 * s for s in transform.std),  # type: ignore[arg-type]
+        mean=tuple(255.0 * m for m in transform.mean),
+        std=tuple(255.0 * s for s in transform.std),
     )
     return module, preprocessing

@@ -1,4 +1,4 @@
-"""Memory endpoints: the readings anyone local may see, and the admin actions."""
+"""``/v1/memory``: the readings anyone local may see, and the admin actions on memory."""
 
 from __future__ import annotations
 
@@ -12,48 +12,55 @@ import torch
 from fastapi import APIRouter, Depends, Query, Request
 
 from app.config import APP_NAME
-from app.errors import Conflict, NotReady
-from app.guard.admin_token import require_admin
-from app.routes import state_of
-from app.schemas import ErrorResponse
+from app.engine.engine import InferenceEngine
+from app.errors import Conflict
+from app.gates.admin_token import require_admin
+from app.schemas import ErrorResponse, MemoryReport
+from app.state import state_of
 
 router = APIRouter()
-_ADMIN = {"dependencies": [Depends(require_admin)],
-          "responses": {401: {"model": ErrorResponse}, 409: {"model": ErrorResponse},
-                        503: {"model": ErrorResponse}}}
+admin = APIRouter(dependencies=[Depends(require_admin)],
+                  responses={401: {"model": ErrorResponse}, 409: {"model": ErrorResponse},
+                             503: {"model": ErrorResponse}})
 
 
-def _engine(request: Request) -> Any:
+def _dump_snapshot(path: Path) -> None:
+    """Write the recorded allocator history to ``path`` (on the device thread)."""
+    torch.cuda.memory._dump_snapshot(str(path))  # type: ignore[no-untyped-call]  # no hints in torch
+
+
+def _engine(request: Request) -> InferenceEngine:
+    """The engine, once it is ready to act on (503 before)."""
     engine = state_of(request).engine
-    if engine.guard is None:
-        raise NotReady(engine.not_ready_message(), retry_after=5)
+    engine.require_runtime()
     return engine
 
 
-@router.get("/v1/memory", summary="Device memory, budget, watermarks and guard state")
-async def memory(request: Request) -> dict[str, Any]:
-    engine = state_of(request).engine
-    return await engine.on_device(engine.memory_report)  # type: ignore[no-any-return]
+@router.get("/v1/memory", response_model=MemoryReport,
+            responses={503: {"model": ErrorResponse}},
+            summary="Device memory, budget, watermarks and guard state")
+async def memory(request: Request) -> MemoryReport:
+    engine = _engine(request)
+    return await engine.on_device(engine.memory_report)
 
 
-@router.post("/v1/memory/empty-cache", summary="Give cached memory back (admin)", **_ADMIN)
+@admin.post("/v1/memory/empty-cache", summary="Give cached memory back (admin)")
 async def empty_cache(request: Request) -> dict[str, int]:
     engine = _engine(request)
     before, after = await engine.on_device(engine.release)
-    engine.guard.counters.cache_empties += 1
+    engine.require_runtime().guard.counters.cache_empties += 1
     return {"reserved_before_bytes": before, "reserved_after_bytes": after,
             "freed_bytes": max(0, before - after)}
 
 
-@router.post("/v1/memory/reset-peak", summary="Start measuring peaks afresh (admin)", **_ADMIN)
+@admin.post("/v1/memory/reset-peak", summary="Start measuring peaks afresh (admin)")
 async def reset_peak(request: Request) -> dict[str, int]:
     engine = _engine(request)
     before, after = await engine.on_device(engine.reset_peak)
     return {"peak_allocated_before_bytes": before, "peak_allocated_after_bytes": after}
 
 
-@router.post("/v1/memory/record-history", summary="Record allocator history (admin, GPU only)",
-             **_ADMIN)
+@admin.post("/v1/memory/record-history", summary="Record allocator history (admin, GPU only)")
 async def record_history(request: Request,
                          seconds: Annotated[float, Query(gt=0, le=300)] = 10) -> dict[str, Any]:
     """Record every CUDA allocation for ``seconds`` and write a snapshot file that
@@ -68,7 +75,10 @@ async def record_history(request: Request,
     await engine.on_device(lambda: torch.cuda.memory._record_memory_history(max_entries=200_000))
     try:
         await asyncio.sleep(seconds)
-        await engine.on_device(lambda: torch.cuda.memory._dump_snapshot(str(path)))
+        await engine.on_device(lambda: _dump_snapshot(path))
     finally:
         await engine.on_device(lambda: torch.cuda.memory._record_memory_history(enabled=None))
     return {"snapshot_file": str(path), "seconds": seconds}
+
+
+router.include_router(admin)

@@ -17,9 +17,8 @@ from urllib.parse import urlsplit
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from app.config import LOOPBACK_HOSTS
 from app.errors import ApiError
-
-LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
 
 
 class Forbidden(ApiError):
@@ -52,14 +51,14 @@ def split_host(value: str) -> tuple[str, int | None] | None:
     return name, int(port_text)
 
 
-class HostOriginGuard:
+class HostOriginGate:
     """403 for a Host that is not ours or an Origin that is not allowed."""
 
     def __init__(self, app: ASGIApp, port: int, extra_hosts: list[str],
                  allowed_origins: list[str]) -> None:
         self.app = app
         self.port = port
-        self.names = {*LOOPBACK_NAMES, *(h.lower() for h in extra_hosts)}
+        self.names = {*LOOPBACK_HOSTS, *(h.lower() for h in extra_hosts)}
         self.origins = {o.rstrip("/").lower() for o in allowed_origins}
 
     def host_allowed(self, header: str | None) -> bool:

@@ -18,7 +18,7 @@ from typing import ParamSpec, TypeVar
 
 import psutil
 
-from app.errors import DeadlineExceeded, Overloaded
+from app.errors import Overloaded, too_busy_to_start
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -65,8 +65,7 @@ class CpuPool:
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                 await self._slots.acquire()
         except TimeoutError:
-            raise DeadlineExceeded("vramguard is too busy to look at this image in time. "
-                                   "Try again shortly.", retry_after=2) from None
+            raise too_busy_to_start() from None
         finally:
             self.waiting -= 1
         started = time.monotonic()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from app.guard.host_origin import HostOriginGuard, split_host
-from app.guard.rate_limit import Rate, RateLimited, RateLimiter, client_key, route_family
+from app.gates.host_origin import HostOriginGate, split_host
+from app.gates.rate_limit import Rate, RateLimited, RateLimiter, client_key, route_family
 
 
 class FakeClock:
@@ -109,7 +109,7 @@ def test_split_host(value, expected):
 
 
 def test_host_and_origin_rules():
-    guard = HostOriginGuard(app=None, port=8765, extra_hosts=["myhost.lan"],  # type: ignore[arg-type]
+    guard = HostOriginGate(app=None, port=8765, extra_hosts=["myhost.lan"],  # type: ignore[arg-type]
                             allowed_origins=["http://localhost:3000"])
     for ok in ("127.0.0.1:8765", "localhost:8765", "[::1]:8765", "myhost.lan:8765"):
         assert guard.host_allowed(ok)

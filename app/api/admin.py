@@ -7,9 +7,9 @@ import signal
 
 from fastapi import APIRouter, Depends, Request
 
-from app.guard.admin_token import require_admin
-from app.routes import state_of
+from app.gates.admin_token import require_admin
 from app.schemas import ErrorResponse
+from app.state import state_of
 
 router = APIRouter(dependencies=[Depends(require_admin)],
                    responses={401: {"model": ErrorResponse}})

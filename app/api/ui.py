@@ -10,11 +10,11 @@ from fastapi.responses import HTMLResponse
 from pydantic import BaseModel
 
 from app.errors import Unauthorized
-from app.guard.admin_token import require_admin
-from app.routes import state_of
+from app.gates.admin_token import require_admin
+from app.state import state_of
 
 router = APIRouter()
-PAGE = Path(__file__).parent / "ui" / "dashboard.html"
+PAGE = Path(__file__).parent.parent / "ui" / "dashboard.html"
 
 
 @cache

@@ -1,0 +1,68 @@
+"""The mapping of every failure to the JSON error shape ``{"error": {"code", "message"}}``,
+each answer counted by outcome code."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse
+
+from app.errors import ApiError, BadRequest, InternalError, MethodNotAllowed, NotFound
+from app.state import state_of
+
+log = logging.getLogger("vramguard.server")
+
+
+def validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for error in exc.errors():
+        where = ".".join(str(p) for p in error.get("loc", ()) if p not in ("query", "body"))
+        parts.append(f"{where}: {error.get('msg')}" if where else str(error.get("msg")))
+    return "Invalid request: " + "; ".join(parts)
+
+
+def _answer(request: Request, error: ApiError) -> JSONResponse:
+    state_of(request).stats.count(error.code)
+    return error.response()
+
+
+async def _on_api_error(request: Request, exc: Exception) -> JSONResponse:
+    if not isinstance(exc, ApiError):
+        raise TypeError(f"registered for ApiError, got {type(exc).__name__}")
+    return _answer(request, exc)
+
+
+async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse:
+    if not isinstance(exc, RequestValidationError):
+        raise TypeError(f"registered for RequestValidationError, got {type(exc).__name__}")
+    return _answer(request, BadRequest(validation_message(exc)))
+
+
+async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
+    if not isinstance(exc, HTTPException):
+        raise TypeError(f"registered for HTTPException, got {type(exc).__name__}")
+    mapped: ApiError
+    if exc.status_code == 404:
+        mapped = NotFound(f"There is no {request.url.path} here. See /docs for the API.")
+    elif exc.status_code == 405:
+        mapped = MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}.")
+    else:
+        mapped = ApiError(str(exc.detail))
+        mapped.status, mapped.code = exc.status_code, "bad_request"
+    return _answer(request, mapped)
+
+
+async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unexpected error on %s %s", request.method, request.url.path)
+    return _answer(request, InternalError(
+        "Something went wrong inside vramguard. The details are in its log."))
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(ApiError, _on_api_error)
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(HTTPException, _on_http_error)
+    app.add_exception_handler(Exception, _on_unexpected)

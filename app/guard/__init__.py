@@ -1,1 +1,0 @@
-"""Guards in front of the model: request size limits (and later rate limits, host checks)."""

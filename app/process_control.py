@@ -1,0 +1,245 @@
+"""Process control: run the server (``serve``), start it with its tray (``run``, ``tray``),
+and stop running ones (``stop``). The command line (``app.cli``) calls these."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+
+import psutil
+import uvicorn
+
+from app import __version__
+from app.config import LOOPBACK_HOSTS, Settings, default_config_file
+from app.instance import (
+    InstanceLock,
+    RunningInstance,
+    is_held,
+    running_instance,
+    running_instances,
+)
+
+KEEP_ALIVE_S = 30
+SHUTDOWN_MARGIN_S = 5  # after the last deadline: decoding and a batch still running
+STARTUP_FAILURE = 3  # uvicorn's own exit status when the server could not start
+STOP_GRACE_S = 10  # after the stop request is answered, or for a tray to follow its server
+
+
+def _url(settings: Settings) -> str:
+    host = "127.0.0.1" if settings.host in LOOPBACK_HOSTS else settings.host
+    return f"http://{host}:{settings.port}"
+
+
+def _already_running(settings: Settings) -> RunningInstance | None:
+    instance = running_instance(settings.token_file.parent, settings.port)
+    if instance is not None:
+        pid = f" (process {instance.pid})" if instance.pid else ""
+        print(f"vramguard is already running at {instance.url}{pid}; nothing else to start. "
+              f"Its dashboard: {instance.url}/ui. To run a second one, give it another "
+              "port: --port N.", file=sys.stderr)
+    return instance
+
+
+def _port_problem(host: str, port: int) -> str | None:
+    """Say why the port cannot be used, before the model spends seconds loading."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            if exc.errno in (errno.EADDRINUSE, getattr(errno, "WSAEADDRINUSE", -1)):
+                return (f"Port {port} is used by another program. Pick another port with "
+                        f"--port N, VRAMGUARD_PORT=N or 'port = N' in {default_config_file()}.")
+            return (f"Cannot listen on {host}:{port}: {exc.strerror}. Windows reserves "
+                    "some port ranges for itself (see 'netsh interface ipv4 show "
+                    "excludedportrange protocol=tcp'); pick a port outside them with "
+                    f"--port N, VRAMGUARD_PORT=N or 'port = N' in {default_config_file()}.")
+    return None
+
+
+def serve(settings: Settings, launched_by: int | None = None) -> int:
+    from app.engine.device import DeviceError, resolve_device
+    from app.logs import setup_logging
+    from app.models import ModelLoadError, resolve_weights
+    from app.server import create_app
+
+    if settings.host not in LOOPBACK_HOSTS:
+        if not settings.allow_remote:
+            print(f"vramguard: refusing to listen on {settings.host}: other computers could "
+                  "reach the appliance. Add --allow-remote (VRAMGUARD_ALLOW_REMOTE=1) if that "
+                  "is what you want, and list the names they use in allowed_hosts.",
+                  file=sys.stderr)
+            return 1
+        print(f"vramguard: WARNING: listening on {settings.host}: other computers on the "
+              "network can reach this appliance.", file=sys.stderr)
+    try:
+        resolve_device(settings.device)
+        resolve_weights(settings.model, settings.weights)
+    except (DeviceError, ModelLoadError) as exc:
+        print(f"vramguard: {exc}", file=sys.stderr)
+        return 1
+    lock = InstanceLock(settings.token_file.parent, settings.port)
+    if not lock.acquire(_url(settings), launched_by):
+        if _already_running(settings) is None:
+            print("vramguard: another vramguard is starting on this port; try again in a "
+                  "moment.", file=sys.stderr)
+            return 1
+        return 0
+    problem = _port_problem(settings.host, settings.port)
+    if problem:
+        lock.release()
+        print(f"vramguard: {problem}", file=sys.stderr)
+        return 1
+    log_file = setup_logging(settings.log_level, settings.log_dir)
+    logging.getLogger("vramguard").info("vramguard %s starting; log file %s", __version__,
+                                        log_file)
+    # uvicorn drains and stops on SIGINT/SIGTERM, then re-raises the signal; this handler
+    # turns that into a normal exit (status 0) instead of death by signal.
+    for stop_signal in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop_signal, _exit_cleanly)
+    app = create_app(settings)
+    # Keep-alive longer than common clients' own (httpx 5 s, aiohttp 15 s), so that it is
+    # the client that closes an idle connection: otherwise a request sent just as the
+    # server closes it fails with "server disconnected" (seen in the overload test).
+    # A graceful shutdown lets every queued request reach its own deadline (an answer,
+    # if only a 503) before uvicorn cancels what is left: cancelled requests get a 500.
+    graceful_s = int(settings.request_timeout_s + SHUTDOWN_MARGIN_S)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, workers=1,
+                            log_level=settings.log_level, timeout_graceful_shutdown=graceful_s,
+                            timeout_keep_alive=KEEP_ALIVE_S, log_config=None)
+    server = _Server(config, on_exit=app.state.vg.events.close)
+    try:
+        server.run()
+    finally:
+        lock.release()
+    return 0 if server.started else STARTUP_FAILURE
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, calling `on_exit` (on the event loop) as soon as shutdown begins
+    rather than after open connections have ended (event streams never end by
+    themselves)."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
+        super().__init__(config)
+        self.on_exit = on_exit
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        with contextlib.suppress(RuntimeError):  # no loop running: nothing to end
+            asyncio.get_running_loop().call_soon_threadsafe(self.on_exit)
+
+
+def _exit_cleanly(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
+def tray_command(settings: Settings, start_server: bool, argv: list[str] | None) -> int:
+    """`tray`: icon for a running server. `run`: start the server as a child and show the
+    icon (Ollama-style); without a display `run` is the same as `serve`."""
+    from tray.app import display_available, run_tray
+
+    if not display_available():
+        if start_server:
+            print("vramguard: no display, running without a tray icon.", file=sys.stderr)
+            return serve(settings)
+        print("vramguard: the tray needs a display (none found).", file=sys.stderr)
+        return 1
+    import subprocess
+
+    from tray.client import ApiClient, ServerDown
+    from tray.controller import TrayController
+
+    url = _url(settings)
+    if start_server and _already_running(settings):
+        import webbrowser
+
+        with ApiClient(url, settings.token_file) as client:
+            try:  # a second double-click on the shortcut shows the running one
+                webbrowser.open(client.dashboard_link())
+            except (ServerDown, RuntimeError):
+                webbrowser.open(f"{url}/ui")
+        return 0
+    server_args = [*(argv or sys.argv[1:])]
+    if start_server:  # the child gets the same options, as `serve`
+        server_args[server_args.index("run")] = "serve"
+
+    def spawn() -> subprocess.Popen[bytes]:
+        command = [sys.executable, *([] if getattr(sys, "frozen", False) else ["-m", "app"]),
+                   *server_args, "--launched-by", str(os.getpid())]
+        return subprocess.Popen(command)
+
+    with ApiClient(url, settings.token_file) as client:
+        controller = TrayController(client, notify=print,
+                                    start_server=spawn if start_server else None)
+        controller.ensure_server()
+        run_tray(controller)
+    return 0
+
+
+def _wait_gone(pid: int | None, timeout_s: float) -> bool:
+    """Wait for a process to end (its files stay open until it does: on Windows, the
+    installer cannot replace them before)."""
+    if not pid:
+        return True
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:  # a zombie has ended; only its parent's bookkeeping is left
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+
+
+def _stop_one(instance: RunningInstance, folder: Path, token_file: Path,
+              timeout_s: float) -> bool:
+    """Ask the server to finish its queue and exit; end it (and its tray) if they will
+    not. True when both are gone."""
+    from tray.client import ApiClient, ServerDown
+
+    try:
+        with ApiClient(instance.url, token_file) as client:
+            client.shutdown()
+    except (ServerDown, RuntimeError) as exc:
+        print(f"vramguard on port {instance.port} did not take the stop request ({exc}); "
+              "ending it.", file=sys.stderr)
+        timeout_s = 0
+    for pid, grace_s in ((instance.pid, timeout_s), (instance.launcher_pid, STOP_GRACE_S)):
+        if not _wait_gone(pid, grace_s) and pid:
+            os.kill(pid, signal.SIGTERM)  # TerminateProcess on Windows
+            _wait_gone(pid, STOP_GRACE_S)
+    return not is_held(folder, instance.port) and all(
+        _wait_gone(pid, 0) for pid in (instance.pid, instance.launcher_pid))
+
+
+def stop(settings: Settings, port: int | None, timeout_s: float) -> int:
+    """`vramguard stop`: every running server of this user, or the one on `port`."""
+    folder = settings.token_file.parent
+    targets = [instance for instance in running_instances(folder)
+               if port is None or instance.port == port]
+    if not targets:
+        print("vramguard is not running.")
+        return 0
+    failed = 0
+    for instance in targets:
+        if _stop_one(instance, folder, settings.token_file, timeout_s):
+            print(f"Stopped vramguard on port {instance.port}.")
+        else:
+            print(f"vramguard on port {instance.port} (process {instance.pid}) did not stop.",
+                  file=sys.stderr)
+            failed += 1
+    return 1 if failed else 0
