@@ -31,12 +31,22 @@ class EventHub:
         self.subscribers: set[Subscriber] = set()
         self.dropped = 0
         self.closed = False
+        self._latest: dict[str, str] = {}  # the last message of each event kind
 
     def full(self) -> bool:
         return len(self.subscribers) >= self.max_subscribers
 
     def publish(self, event: str, data: dict[str, object]) -> None:
         message = f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+        self._latest[event] = message
+        self._send(message)
+
+    def heartbeat(self, note: str) -> None:
+        """An SSE comment: proof of life for readers while there is nothing to report
+        (before the model is ready), so they can tell a silent server from a dead one."""
+        self._send(f": {note}\n\n")
+
+    def _send(self, message: str) -> None:
         for subscriber in list(self.subscribers):
             try:
                 subscriber.queue.put_nowait(message)
@@ -66,6 +76,8 @@ class EventHub:
         if self.closed:
             return
         subscriber = Subscriber()
+        for latest in self._latest.values():  # a new reader can draw at once
+            subscriber.queue.put_nowait(latest)
         self.subscribers.add(subscriber)
         try:
             yield "retry: 2000\n\n"

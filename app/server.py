@@ -61,6 +61,7 @@ async def _monitor(state: AppState) -> None:
     while True:
         await asyncio.sleep(MONITOR_INTERVAL_S)
         if not engine.ready:
+            state.events.heartbeat(engine.phase.value)
             continue
         try:
             await engine.on_device(engine.tick)

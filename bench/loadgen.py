@@ -1,7 +1,8 @@
 """Asynchronous load generator: N concurrent clients for a bounded time, 127.0.0.1 only.
 
 Each client sends the next request as soon as it has its answer (closed loop).
-Reports throughput, latency percentiles, status counts and the server's peak RSS.
+Reports throughput, latency percentiles, status counts and the server's peak memory (PSS
+of its whole process tree: shared pages counted once, split between their sharers).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ class LoadResult:
     seconds: float
     latencies: list[float] = field(default_factory=list)
     statuses: Counter[str] = field(default_factory=Counter)
-    peak_rss_bytes: int = 0
+    peak_pss_bytes: int = 0
 
     @property
     def ok(self) -> int:
@@ -44,7 +45,7 @@ class LoadResult:
         """Pool two runs at the same concurrency (interleaved rounds of one benchmark)."""
         merged = LoadResult(self.concurrency, self.seconds + other.seconds,
                             self.latencies + other.latencies, self.statuses + other.statuses,
-                            max(self.peak_rss_bytes, other.peak_rss_bytes))
+                            max(self.peak_pss_bytes, other.peak_pss_bytes))
         return merged
 
     @property
@@ -52,15 +53,23 @@ class LoadResult:
         return sum(n for status, n in self.statuses.items() if status != "200")
 
 
-async def _watch_rss(pid: int, result: LoadResult, stop: asyncio.Event) -> None:
+def tree_pss(pid: int) -> int:
+    """PSS of a process and all its children (USS where the system has no PSS)."""
     process = psutil.Process(pid)
+    total = 0
+    for member in (process, *process.children(recursive=True)):
+        info = member.memory_full_info()
+        total += getattr(info, "pss", info.uss)
+    return total
+
+
+async def _watch_memory(pid: int, result: LoadResult, stop: asyncio.Event) -> None:
     while not stop.is_set():
         try:
-            rss = process.memory_info().rss + sum(
-                c.memory_info().rss for c in process.children(recursive=True))
+            pss = await asyncio.to_thread(tree_pss, pid)
         except psutil.Error:
             return
-        result.peak_rss_bytes = max(result.peak_rss_bytes, rss)
+        result.peak_pss_bytes = max(result.peak_pss_bytes, pss)
         await asyncio.sleep(0.1)
 
 
@@ -94,7 +103,7 @@ async def run_load(url: str, body: bytes, concurrency: int, seconds: float,
     connector = aiohttp.TCPConnector(limit=concurrency)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        watcher = (asyncio.create_task(_watch_rss(server_pid, result, stop))
+        watcher = (asyncio.create_task(_watch_memory(server_pid, result, stop))
                    if server_pid else None)
         started = time.perf_counter()
         await asyncio.gather(*(client(session) for _ in range(concurrency)))

@@ -23,10 +23,11 @@ def free_port() -> int:
 
 @contextmanager
 def running(command: list[str], ready_url: str, log: Path, env: dict[str, str] | None = None,
-            ready_timeout: float = 180) -> Iterator[subprocess.Popen[bytes]]:
-    """Run ``command`` until the block ends; raise with its log if it never gets ready."""
+            ready_timeout: float = 180, cwd: Path = ROOT) -> Iterator[subprocess.Popen[bytes]]:
+    """Run ``command`` in ``cwd`` until the block ends; raise with its log if it never gets
+    ready."""
     with log.open("wb") as sink:
-        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=sink,
+        process = subprocess.Popen(command, cwd=cwd, env=env, stdout=sink,
                                    stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + ready_timeout

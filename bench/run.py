@@ -44,7 +44,7 @@ class Row:
         return [self.server, str(r.concurrency), f"{r.requests_per_second:.1f}",
                 f"{r.percentile(50) * 1000:.0f}", f"{r.percentile(90) * 1000:.0f}",
                 f"{r.percentile(99) * 1000:.0f}", str(r.ok), str(r.errors),
-                f"{r.peak_rss_bytes / 1024**2:.0f}"]
+                f"{r.peak_pss_bytes / 1024**2:.0f}"]
 
 
 def _settle(url: str, pid: int) -> None:
@@ -154,7 +154,7 @@ def main() -> int:
         + ", ".join(f"b{r.batch_size} {r.images_per_second:.1f}" for r in offline_all) + ")",
         f"vramguard warmup chose batch size {chosen}",
         "",
-        "| server | concurrency | req/s | p50 ms | p90 ms | p99 ms | ok | errors | peak RSS MiB |",
+        "| server | concurrency | req/s | p50 ms | p90 ms | p99 ms | ok | errors | peak PSS MiB |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         *("| " + " | ".join(row.cells()) + " |" for row in rows),
         "",
@@ -180,7 +180,7 @@ def main() -> int:
          "rows": [{"server": r.server, "concurrency": r.result.concurrency,
                    "rps": r.result.requests_per_second, "p50": r.result.percentile(50),
                    "p99": r.result.percentile(99), "statuses": dict(r.result.statuses),
-                   "peak_rss": r.result.peak_rss_bytes} for r in rows]}, indent=2))
+                   "peak_pss": r.result.peak_pss_bytes} for r in rows]}, indent=2))
     return 0
 
 

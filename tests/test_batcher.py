@@ -5,18 +5,52 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import CancelledError, Future, wait
+from types import SimpleNamespace
 
 import pytest
 
+from app.engine import batcher as batcher_module
 from app.engine.batcher import MicroBatcher
 from app.errors import DeadlineExceeded, Overloaded
+
+
+class FakeClock:
+    """Virtual time: it moves only when the test advances it or the batcher sleeps.
+
+    Passed as the batcher's ``clock`` and, through ``fake_clock``, as its module's
+    ``time`` - so any delay the batcher adds, timed or slept, shows up as a start time
+    later than the submit time instead of as a wall-clock bound.
+    """
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    def sleep(self, seconds: float) -> None:
+        self.advance(seconds)
+
+
+@pytest.fixture
+def fake_clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    clock = FakeClock()
+    monkeypatch.setattr(batcher_module, "time", SimpleNamespace(monotonic=clock,
+                                                                sleep=clock.sleep))
+    return clock
 
 
 class FakeModel:
     """Records every batch; can be held busy with a gate to make requests pile up."""
 
-    def __init__(self, fail_on: object = None) -> None:
+    def __init__(self, fail_on: object = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
         self.batches: list[list[object]] = []
         self.started: list[float] = []
         self.threads: set[str] = set()
@@ -26,7 +60,7 @@ class FakeModel:
         self.fail_on = fail_on
 
     def __call__(self, items: list[object]) -> list[object]:
-        self.started.append(time.monotonic())
+        self.started.append(self.clock())
         self.threads.add(threading.current_thread().name)
         self.batches.append(list(items))
         self.entered.set()
@@ -61,11 +95,15 @@ def hold_busy(model: FakeModel, batcher: MicroBatcher) -> Future:
     return blocker
 
 
-def test_idle_device_dispatches_at_once(make):
-    model = FakeModel()
-    batcher = make(model, max_batch=8)
+def test_idle_device_dispatches_at_once(make, fake_clock):
+    model = FakeModel(clock=fake_clock)
+    batcher = make(model, max_batch=8, clock=fake_clock)  # no wait window
+    submitted_at = fake_clock()
     assert batcher.submit("a", timeout_s=5).result(5) == "out:a"
     assert model.batches == [["a"]]
+    # Virtual time stands still unless the batcher waits or sleeps: an idle device
+    # starts the batch at the very instant it was submitted.
+    assert model.started == [submitted_at]
 
 
 def test_requests_accumulate_while_busy_and_flush_on_size(make):
@@ -106,6 +144,30 @@ def test_window_counts_from_first_arrival(make):
     assert window - 0.01 <= waited < 0.3 + window
 
 
+def test_window_counts_from_first_arrival_while_the_device_is_busy(make, fake_clock):
+    """Requests that queued up behind a batch running longer than the window have had
+    their window already: when the device frees, their batch starts at once."""
+    window = 0.05  # virtual seconds; also how often (in real seconds) the device re-looks
+    model = FakeModel(clock=fake_clock)
+    batcher = make(model, max_batch=8, max_wait_s=window, clock=fake_clock)
+    model.gate.clear()
+    blocker = batcher.submit("blocker", timeout_s=60)
+    fake_clock.advance(window)  # the blocker's own window closes
+    assert model.entered.wait(5)
+    model.entered.clear()
+    queued = [batcher.submit(i, timeout_s=60) for i in range(2)]
+    fake_clock.advance(10 * window)  # the device stays busy far longer than the window
+    freed_at = fake_clock()
+    model.gate.set()
+    assert blocker.result(5) == "out:blocker"
+    # Virtual time no longer moves, so a window counted from when the device thread
+    # looks (freed_at + window) would never close and this batch would never start.
+    assert model.entered.wait(5), "the queued batch did not start when the device freed"
+    assert [f.result(5) for f in queued] == ["out:0", "out:1"]
+    assert model.batches == [["blocker"], [0, 1]]
+    assert model.started[1] == freed_at
+
+
 def test_window_closes_early_when_batch_is_full(make):
     model = FakeModel()
     batcher = make(model, max_batch=2, max_wait_s=30)
@@ -127,6 +189,20 @@ def test_expired_requests_are_dropped_not_computed(make):
     assert fresh.result(5) == "out:fresh"
     assert all("stale" not in batch for batch in model.batches)
     assert batcher.stats.expired == 1
+
+
+def test_requests_expire_while_nothing_fits_in_memory(make, fake_clock):
+    """With the memory guard allowing no batch at all, a request still gets its
+    DeadlineExceeded when its deadline passes, and the model never sees it."""
+    model = FakeModel(clock=fake_clock)
+    batcher = make(model, max_batch=4, clock=fake_clock, batch_limit=lambda: 0)
+    waiting = batcher.submit("waiting", timeout_s=1.0)
+    fake_clock.advance(2.0)  # past its deadline; the device re-looks every MEMORY_POLL_S
+    with pytest.raises(DeadlineExceeded) as info:
+        waiting.result(5)
+    assert info.value.retry_after is not None
+    assert model.batches == []
+    assert batcher.stats.expired == 1 and batcher.stats.batches == 0
 
 
 def test_cancelled_requests_are_withdrawn(make):

@@ -111,3 +111,28 @@ def test_an_open_event_stream_does_not_hold_up_a_shutdown(tmp_path):
         assert running.process.wait(6) == 0
         listener.join(5)
         assert not listener.is_alive()
+
+
+def test_a_new_subscriber_gets_the_latest_of_each_event_at_once():
+    async def scenario() -> list[str]:
+        hub = EventHub()
+        hub.publish("state", {"state": "ok"})
+        for i in range(3):
+            hub.publish("sample", {"i": i})
+        stream = hub.stream()
+        assert (await anext(stream)).startswith("retry:")
+        return [await anext(stream), await anext(stream)]
+
+    assert asyncio.run(scenario()) == ['event: state\ndata: {"state":"ok"}\n\n',
+                                       'event: sample\ndata: {"i":2}\n\n']
+
+
+def test_heartbeats_are_comments_that_readers_skip():
+    async def scenario() -> str:
+        hub = EventHub()
+        stream = hub.stream()
+        await anext(stream)
+        hub.heartbeat("loading")
+        return await anext(stream)
+
+    assert asyncio.run(scenario()) == ": loading\n\n"

@@ -16,7 +16,8 @@ import pytest
 from live_server import ROOT
 from wine import RUN_KEY, UNINSTALL_KEY, WinePrefix, tools_missing, verify_checksums
 
-pytestmark = pytest.mark.skipif(tools_missing() is not None, reason=str(tools_missing()))
+pytestmark = [pytest.mark.wine,
+              pytest.mark.skipif(tools_missing() is not None, reason=str(tools_missing()))]
 
 VERSION = __import__("app").__version__
 PART_BYTES = 700_000

@@ -29,7 +29,8 @@ def display_available() -> bool:
 
 
 def run_tray(controller: TrayController) -> None:
-    """Show the icon until Quit; refresh it once a second from a stoppable thread."""
+    """Show the icon until Quit; redraw it on each event from the server (at least once a
+    second, which also supervises the server) from a stoppable thread."""
     import pystray
 
     stop = threading.Event()
@@ -46,6 +47,7 @@ def run_tray(controller: TrayController) -> None:
 
     def quit_tray(icon: Any) -> None:
         stop.set()
+        controller.stop_following()
         controller.stop_server()
         icon.stop()
 
@@ -81,8 +83,9 @@ def run_tray(controller: TrayController) -> None:
             icon.icon = controller.icon()
             icon.title = controller.tooltip()
             icon.update_menu()  # Windows rebuilds menu text only here
-            stop.wait(REFRESH_S)
+            controller.wait_for_news(REFRESH_S)
 
+    controller.follow()
     try:
         icon.run(update)
     except Exception as exc:
@@ -94,3 +97,4 @@ def run_tray(controller: TrayController) -> None:
         log.warning("the tray icon did not close cleanly: %s", exc)
     finally:
         stop.set()
+        controller.stop_following()

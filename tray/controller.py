@@ -1,24 +1,28 @@
 """What the tray knows and does, independent of any tray library (tested headless).
 
-It polls the server once a second, turns the answer into an icon, a tooltip
-and menu lines, raises one notification per memory episode, runs the menu's
-actions through the API, and supervises the server process it started:
-a server that dies is restarted, and the menu says why it stopped.
+It follows the server's event stream (polling once a second only while the
+server refuses the stream, or before ``follow()``), turns each sample into an
+icon, a tooltip and menu lines, raises one notification per memory episode,
+runs the menu's actions through the API, and supervises the server process it
+started: a server that dies is restarted, and the menu says why it stopped.
 """
 
 from __future__ import annotations
 
 import logging
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from PIL import Image
 
+from app.memory.guard import GuardState
 from app.schemas import LiveSample
 from app.units import human_bytes
 from tray.client import ApiClient, ServerDown
+from tray.event_stream import EventStream
 from tray.icon import draw_icon
 from tray.text import Notifier, gauge_of, menu_lines, tooltip
 
@@ -40,20 +44,70 @@ class TrayController:
         self.stopped = False  # the server we started was stopped on purpose: quit the tray
         self._next_start = 0.0
         self._notifier = Notifier()
+        self._lock = threading.Lock()  # the stream's thread and the tray's share the reading
+        self._news = threading.Event()
+        self._stream: EventStream | None = None
 
     # -- reading -----------------------------------------------------------------------
 
+    def follow(self) -> None:
+        """Follow the server's event stream from now on instead of polling it."""
+        if self._stream is None:
+            self._stream = EventStream(self.client.base_url, self)
+            self._stream.start()
+
+    def stop_following(self) -> None:
+        """End the stream's thread (the tray is quitting); wakes ``wait_for_news``."""
+        if self._stream is not None:
+            self._stream.stop()
+        self._news.set()
+
     def refresh(self) -> None:
-        """Poll the server; keep the last good sample only while it answers."""
+        """Supervise the server we started, and poll it unless the stream is followed."""
         self._supervise()
+        if self._stream is None or self._stream.refused:
+            self._poll()
+
+    def wait_for_news(self, timeout_s: float) -> bool:
+        """Sleep until the stream brings something to show, or ``timeout_s`` passes."""
+        news = self._news.wait(timeout_s)
+        self._news.clear()
+        return news
+
+    def stream_sample(self, sample: LiveSample) -> None:
+        self._show(sample)
+        self._news.set()
+
+    def stream_state(self, state: GuardState) -> None:
+        """Recolour now; the sample with the figures follows within the second."""
+        with self._lock:
+            sample = self.sample
+        if sample is not None:
+            self._show(sample.model_copy(update={"state": state}))
+            self._news.set()
+
+    def stream_lost(self, problem: str) -> None:
+        self._show(None, problem)
+        self._news.set()
+
+    def _poll(self) -> None:
         try:
-            self.sample = self.client.sample()
-            self.status = "running"
+            sample = self.client.sample()
         except ServerDown as exc:
-            self.sample = None
-            if self.status == "running":
-                self.status = f"not answering: {exc}"
-        message = self._notifier.update(gauge_of(self.sample).state)
+            self._show(None, str(exc))
+        else:
+            self._show(sample)
+
+    def _show(self, sample: LiveSample | None, problem: str = "") -> None:
+        """Take a reading (None: the server does not answer, keep nothing stale) and
+        notify when memory just got tight."""
+        with self._lock:
+            self.sample = sample
+            if sample is not None:
+                self.status = "running"
+            elif self.status == "running":
+                self.status = f"not answering: {problem}"
+            message = self._notifier.update(gauge_of(sample).state)
         if message:
             self.notify(message)
 
@@ -64,9 +118,11 @@ class TrayController:
         return tooltip(self.sample)
 
     def lines(self) -> list[str]:
-        lines = menu_lines(self.sample)
-        if self.sample is None and self.status not in ("running", "starting"):
-            lines.append(f"Why: {self.status}")
+        with self._lock:
+            sample, status = self.sample, self.status
+        lines = menu_lines(sample)
+        if sample is None and status not in ("running", "starting"):
+            lines.append(f"Why: {status}")
         if self.last_stop:
             lines.append(f"Last stop: {self.last_stop}")
         return lines
@@ -108,7 +164,7 @@ class TrayController:
             result = action()
         except (ServerDown, RuntimeError) as exc:
             return f"Could not do that: {exc}"
-        self.refresh()
+        self._poll()  # show the action's effect now, not at the next sample
         return result
 
     # -- the server process ----------------------------------------------------------------
@@ -119,7 +175,8 @@ class TrayController:
                                               self.server.poll() is not None):
             self.stopped = False
             self.server = self.start_server()
-            self.status = "starting"
+            with self._lock:  # not to be overwritten by a reading of the old server
+                self.status = "starting"
             log.info("started the server (pid %d)", self.server.pid)
 
     def _supervise(self) -> None:
@@ -127,7 +184,8 @@ class TrayController:
             return
         code = self.server.returncode
         if code == 0:  # asked to stop (`vramguard stop`, the installer, Ctrl+C): stay down
-            self.status = "stopped"
+            with self._lock:
+                self.status = "stopped"
             self.last_stop = "the server was asked to stop"
             self.server = None
             self.stopped = True

@@ -4,6 +4,7 @@ each answer counted by outcome code."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -24,9 +25,12 @@ def validation_message(exc: RequestValidationError) -> str:
     return "Invalid request: " + "; ".join(parts)
 
 
-def _answer(request: Request, error: ApiError) -> JSONResponse:
+def _answer(request: Request, error: ApiError,
+            headers: Mapping[str, str] | None = None) -> JSONResponse:
     state_of(request).stats.count(error.code)
-    return error.response()
+    response = error.response()
+    response.headers.update(headers or {})
+    return response
 
 
 async def _on_api_error(request: Request, exc: Exception) -> JSONResponse:
@@ -52,7 +56,7 @@ async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
     else:
         mapped = ApiError(str(exc.detail))
         mapped.status, mapped.code = exc.status_code, "bad_request"
-    return _answer(request, mapped)
+    return _answer(request, mapped, exc.headers)  # e.g. the Allow header of a 405
 
 
 async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:

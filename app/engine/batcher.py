@@ -231,29 +231,32 @@ class MicroBatcher(Generic[P, R]):
             return batch, dropped
         while self._queue and len(batch) < limit:
             item = self._queue.popleft()
-            if item.future.cancelled():
-                self.stats.cancelled += 1
-            elif now > item.deadline:
-                self.stats.expired += 1
-                dropped.append((item, self._expired_error()))
-            elif item.future.set_running_or_notify_cancel():
+            if self._set_aside(item, now, dropped):
+                continue
+            if item.future.set_running_or_notify_cancel():
                 batch.append(item)
-            else:
+            else:  # withdrawn just now
                 self.stats.cancelled += 1
         self._in_flight = len(batch)
         return batch, dropped
 
     def _drop_stale(self, now: float, dropped: list[tuple[WorkItem[P, R], Exception]]) -> None:
-        kept: deque[WorkItem[P, R]] = deque()
-        for item in self._queue:
-            if item.future.cancelled():
-                self.stats.cancelled += 1
-            elif now > item.deadline:
-                self.stats.expired += 1
-                dropped.append((item, self._expired_error()))
-            else:
-                kept.append(item)
-        self._queue = kept
+        """Remove the withdrawn and the expired from the queue; keep the rest in order."""
+        self._queue = deque(item for item in self._queue
+                            if not self._set_aside(item, now, dropped))
+
+    def _set_aside(self, item: WorkItem[P, R], now: float,
+                   dropped: list[tuple[WorkItem[P, R], Exception]]) -> bool:
+        """The one rule for a queued item that must not run: withdrawn (just counted), or
+        past its deadline (counted, and added to ``dropped`` to fail outside the lock)."""
+        if item.future.cancelled():
+            self.stats.cancelled += 1
+            return True
+        if now > item.deadline:
+            self.stats.expired += 1
+            dropped.append((item, self._expired_error()))
+            return True
+        return False
 
     def _expired_error(self) -> DeadlineExceeded:
         return DeadlineExceeded("vramguard could not get to this image in time because it is "

@@ -7,9 +7,11 @@ page in the user's browser cannot call admin endpoints.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import os
 import secrets
+import tempfile
 from pathlib import Path
 
 from fastapi import Request
@@ -18,26 +20,45 @@ from app.errors import Unauthorized
 
 
 def load_or_create_token(path: Path) -> str:
-    """Read the token, creating it (mode 0600) on first use."""
+    """Read the token, creating it (mode 0600) on first use or when the file is empty.
+
+    The new file appears whole: it is written under a temporary name, then linked into
+    place, so no reader ever sees an empty token file from a creator that crashed or has
+    not written yet.
+    """
+    existing = _read(path)
+    if existing:
+        return existing
+    path.parent.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_urlsafe(32)
+    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=".admin-token-")  # mode 0600
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(token + "\n")
+        try:
+            os.link(temporary, path)  # fails if another process created it meanwhile
+        except FileExistsError:
+            existing = _read(path)
+            if existing:
+                return existing
+            os.replace(temporary, path)  # an empty file left behind: replace it
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+    return token
+
+
+def _read(path: Path) -> str:
     try:
         return path.read_text().strip()
     except FileNotFoundError:
-        pass
-    path.parent.mkdir(parents=True, exist_ok=True)
-    token = secrets.token_urlsafe(32)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:  # another process created it just now
-        return path.read_text().strip()
-    with os.fdopen(fd, "w") as handle:
-        handle.write(token + "\n")
-    return token
+        return ""
 
 
 def check_bearer(header: str | None, token: str) -> None:
     """Constant-time comparison; a missing or wrong token is 401."""
     scheme, _, given = (header or "").partition(" ")
-    if scheme.lower() != "bearer" or not given:
+    if scheme.lower() != "bearer" or not given.strip() or not token:
         raise Unauthorized("This needs the admin token: send 'Authorization: Bearer <token>' "
                            "with the token from vramguard's admin-token file.")
     if not hmac.compare_digest(given.strip().encode(), token.encode()):

@@ -15,12 +15,13 @@ from __future__ import annotations
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import ApiError, Overloaded, PayloadTooLarge
+from app.units import human_bytes
 
 DRAIN_FACTOR = 4  # refused bodies up to 4x the size limit are read through, not reset
 
 
 def too_large(limit: int) -> PayloadTooLarge:
-    return PayloadTooLarge(f"The upload is larger than the {limit / 1024**2:.0f} MiB limit. "
+    return PayloadTooLarge(f"The upload is larger than the {human_bytes(limit)} limit. "
                            "Send a smaller image.")
 
 

@@ -1,0 +1,106 @@
+"""Old commit vs. this tree vs. the naive server, interleaved in one run.
+
+    python -m bench.compare BASE_REF [--concurrency 32] [--seconds 48] [--rounds 6]
+
+"No slower" means: the new tree's throughput ratio to the naive server keeps at
+least 0.95 of the old commit's ratio, both measured in the same run. The old
+commit is checked out into a temporary git worktree and served from there with
+this venv (``python -m app`` imports the package from its working folder); the
+three servers then take turns under the same closed-loop load, round by round,
+so a machine that drifts slows all of them alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+from bench.loadgen import LoadResult, run_load
+from bench.process import ROOT, free_port, running
+from bench.run import IMAGE, machine
+
+KEEP = 0.95  # the new tree must keep this share of the old commit's ratio to naive
+
+
+def _worktree(ref: str, folder: Path) -> None:
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(folder), ref],
+                   check=True, capture_output=True)
+
+
+def _serve(stack: ExitStack, name: str, cwd: Path, work: Path, env: dict[str, str],
+           naive: bool = False) -> tuple[str, int]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = ([sys.executable, "-m", "bench.naive_server", "--port", str(port)] if naive else
+               [sys.executable, "-m", "app", "serve", "--log-level", "warning", "--no-cache",
+                "--port", str(port)])
+    process = stack.enter_context(running(command, f"{url}/readyz", work / f"{name}.log",
+                                          {**env, "VRAMGUARD_CACHE_DIR": str(work / name)},
+                                          cwd=cwd))
+    return f"{url}/v1/classify", process.pid
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("base", help="the old commit (e.g. a hash or HEAD~1)")
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--seconds", type=float, default=48.0,
+                        help="per server, split over the rounds")
+    parser.add_argument("--rounds", type=int, default=6)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="vramguard-compare-"))
+    base_tree = work / "base"
+    _worktree(args.base, base_tree)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VRAMGUARD_")}
+    env["VRAMGUARD_RATE_LIMIT"] = "0"
+    body = IMAGE.read_bytes()
+    print(f"machine: {machine()}", flush=True)
+    try:
+        with ExitStack() as stack:
+            servers = {"old": _serve(stack, "old", base_tree, work, env),
+                       "new": _serve(stack, "new", ROOT, work, env),
+                       "naive": _serve(stack, "naive", ROOT, work, env, naive=True)}
+            for url, pid in servers.values():  # one-off costs: allocator growth, lazy imports
+                asyncio.run(run_load(url, body, 2, 2.0, pid))
+            pooled: dict[str, LoadResult] = {}
+            for round_ in range(args.rounds):
+                order = list(servers) if round_ % 2 == 0 else list(reversed(servers))
+                for name in order:
+                    url, pid = servers[name]
+                    result = asyncio.run(run_load(url, body, args.concurrency,
+                                                  args.seconds / args.rounds, pid))
+                    pooled[name] = pooled[name].merge(result) if name in pooled else result
+                    print(f"  round {round_ + 1} {name:<6} {result.requests_per_second:6.1f} "
+                          f"req/s, errors {result.errors}", flush=True)
+    finally:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
+                        str(base_tree)], check=False, capture_output=True)
+    naive = pooled["naive"].requests_per_second
+    old, new = (pooled[n].requests_per_second / naive for n in ("old", "new"))
+    lines = [f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+             f"machine: {machine()}",
+             f"base: {args.base}; concurrency {args.concurrency}; {args.seconds:.0f} s per "
+             f"server in {args.rounds} interleaved rounds (order alternating); cache off",
+             "", "| server | req/s | p50 ms | p99 ms | errors | peak PSS MiB |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for name, r in pooled.items():
+        lines.append(f"| {name} | {r.requests_per_second:.1f} | {r.percentile(50) * 1000:.0f} | "
+                     f"{r.percentile(99) * 1000:.0f} | {r.errors} | "
+                     f"{r.peak_pss_bytes / 1024**2:.0f} |")
+    verdict = "keeps" if new >= KEEP * old else "does NOT keep"
+    lines += ["", f"old / naive {old:.3f}, new / naive {new:.3f}: new keeps "
+              f"{new / old:.3f} of old's ratio ({verdict} the {KEEP} floor)"]
+    print("\n" + "\n".join(lines))
+    return 0 if new >= KEEP * old else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,317 @@
+"""The tray follows the server's event stream: the SSE parser, the back-off, a state
+event that recolours at once, a silent or absent server, and against real servers:
+samples without polling, polling while the stream is refused, a late server."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import live_server as live_server_module
+import pytest
+from live_server import free_port, live_server
+from test_tray_text import sample
+
+from app.event_hub import MAX_SUBSCRIBERS, EventHub
+from app.schemas import LiveSample
+from tray.client import ApiClient
+from tray.controller import TrayController
+from tray.event_stream import Backoff, Event, EventStream, SseParser, deliver
+from tray.icon import COLOURS
+
+STREAM = (
+    "retry: 2000\n\n"
+    ": a comment, as a keep-alive\n"
+    'event: state\ndata: {"state":"high","t":1.5}\n\n'
+    'event: sample\r\ndata:{"a":\r\ndata: 1}\r\n\r\n'  # CRLF, no space, two data lines
+    "data: plain\rid: 7\r\r"  # CR alone; no event name; a field the tray ignores
+    "event: empty\n\n"  # no data: nothing to dispatch
+    "retry: soon\n"  # not a number: ignored
+    "data: not ended yet\n"
+)
+EXPECTED = [Event("state", '{"state":"high","t":1.5}'), Event("sample", '{"a":\n1}'),
+            Event("message", "plain")]
+
+
+def parse(chunks: list[str]) -> tuple[list[Event], SseParser]:
+    parser = SseParser()
+    return [event for chunk in chunks for event in parser.feed(chunk)], parser
+
+
+def test_parser_is_indifferent_to_where_the_network_splits():
+    for cut in range(len(STREAM) + 1):
+        events, parser = parse([STREAM[:cut], STREAM[cut:]])
+        assert (events, parser.retry_s) == (EXPECTED, 2.0), cut
+
+
+def test_parser_one_character_at_a_time():
+    events, parser = parse(list(STREAM))
+    assert events == EXPECTED and parser.retry_s == 2.0
+    assert parser.feed("\n") == [Event("message", "not ended yet")]
+
+
+def test_backoff_grows_resets_once_accepted_and_honours_the_server():
+    backoff = Backoff()
+    assert [backoff.after(accepted=False) for _ in range(6)] == [1, 2, 5, 10, 10, 10]
+    assert backoff.after(accepted=True, asked_s=2.0) == 2.0  # the stream's own `retry:`
+    assert backoff.after(accepted=False) == 2
+    assert backoff.after(accepted=False, asked_s=30) == 30  # Retry-After of a refusal
+
+
+def wire(*events: tuple[str, dict[str, object]]) -> str:
+    """What the server's hub writes for these events, retry line included."""
+    async def scenario() -> str:
+        hub = EventHub()
+        stream = hub.stream()
+        text = await anext(stream)
+        for kind, data in events:
+            hub.publish(kind, data)
+            text += await anext(stream)
+        return text
+
+    return asyncio.run(scenario())
+
+
+class CountingClient(ApiClient):
+    """The real client, counting its polls."""
+
+    polls = 0
+
+    def sample(self) -> LiveSample:
+        self.polls += 1
+        return super().sample()
+
+
+def tray_for(url: str, tmp_path: Path) -> tuple[TrayController, list[str]]:
+    messages: list[str] = []
+    return TrayController(CountingClient(url, tmp_path / "token"), messages.append), messages
+
+
+def polls(tray: TrayController) -> int:
+    assert isinstance(tray.client, CountingClient)
+    return tray.client.polls
+
+
+def test_a_state_event_recolours_and_notifies_at_once(tmp_path):
+    tray, messages = tray_for(f"http://127.0.0.1:{free_port()}", tmp_path)  # never asked
+    parser = SseParser()
+    text = wire(("sample", sample().model_dump(mode="json")),
+                ("state", {"state": "shedding", "t": 2.0}))
+    first, second = parser.feed(text)
+    deliver(first, tray)
+    assert tray.wait_for_news(0) and tray.tooltip().startswith("vramguard: healthy, 38%")
+    assert not messages
+    deliver(second, tray)
+    assert tray.wait_for_news(0)
+    assert tray.icon(32).getpixel((16, 0)) == COLOURS["shedding"]
+    assert "State: memory full, slowing down" in tray.lines()
+    assert len(messages) == 1 and "GPU memory is full" in messages[0]
+    assert polls(tray) == 0
+
+
+def test_an_unreadable_event_is_skipped(tmp_path):
+    tray, _ = tray_for(f"http://127.0.0.1:{free_port()}", tmp_path)
+    deliver(Event("sample", '{"state": "ok"}'), tray)
+    deliver(Event("state", '{"state": "melting"}'), tray)
+    assert tray.down and not tray.wait_for_news(0)
+
+
+def follow_until(tray: TrayController, done: Callable[[int], bool], timeout_s: float) -> int:
+    """Run the tray's update loop (refresh, then sleep until news or a second) until
+    ``done(times the stream's news woke it)``; that number."""
+    woken = 0
+    deadline = time.monotonic() + timeout_s
+    while not done(woken):
+        assert time.monotonic() < deadline, "timed out"
+        tray.refresh()
+        woken += tray.wait_for_news(1.0)
+    return woken
+
+
+def wait_until(done: Callable[[], bool], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def stream_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "vramguard-events"]
+
+
+@pytest.fixture
+def no_stream_left():
+    yield
+    deadline = time.monotonic() + 5
+    while stream_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not stream_threads()
+
+
+def test_no_server_means_down_and_retrying_not_polling(tmp_path, no_stream_left):
+    tray, _ = tray_for(f"http://127.0.0.1:{free_port()}", tmp_path)
+    tray.follow()
+    try:
+        follow_until(tray, lambda news: news >= 2, 10)  # it tried, and tried again
+        assert tray.down and tray.status == "starting" and polls(tray) == 0
+    finally:
+        tray.stop_following()
+
+
+@contextmanager
+def silent_server(sends: bytes) -> Iterator[tuple[str, list[socket.socket]]]:
+    """A peer that accepts the stream, says ``sends`` and then nothing: a hung server."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                connection, _ = listener.accept()
+            except OSError:
+                return
+            connection.recv(4096)
+            connection.sendall(sends)
+            accepted.append(connection)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}", accepted
+    finally:
+        listener.close()
+        for connection in accepted:
+            connection.close()
+
+
+HEADERS = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+           b"transfer-encoding: chunked\r\n\r\n")
+
+
+def test_a_silent_stream_is_noticed_and_retried(tmp_path, no_stream_left):
+    with silent_server(HEADERS) as (url, accepted):
+        tray, _ = tray_for(url, tmp_path)
+        tray.stream_sample(sample())
+        assert tray.status == "running"
+        stream = EventStream(url, tray, read_timeout_s=0.3)
+        stream.start()
+        try:
+            wait_until(lambda: tray.down, 10)
+            assert tray.status == "not answering: no news from the server for 0.3 s"
+            wait_until(lambda: len(accepted) >= 2, 10)  # it came back for more
+        finally:
+            stream.stop()
+
+
+def test_stop_ends_a_stream_that_waits_for_news(tmp_path, no_stream_left):
+    retry = b"retry: 2000\n\n"
+    with silent_server(HEADERS + b"%x\r\n%s\r\n" % (len(retry), retry)) as (url, accepted):
+        tray, _ = tray_for(url, tmp_path)
+        stream = EventStream(url, tray, read_timeout_s=60)
+        stream.start()
+        wait_until(lambda: bool(accepted), 10)
+        time.sleep(0.2)  # let it block in its read
+        stream.stop()
+        assert not stream_threads()  # woken by stop, long before its read timeout
+        assert not tray.wait_for_news(0)  # and it says nothing on its way out
+
+
+def test_a_refusal_without_a_server_that_answers_means_polling(tmp_path, no_stream_left):
+    refusal = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+               b"retry-after: 1\r\nconnection: close\r\ncontent-length: 2\r\n\r\n{}")
+    with silent_server(refusal) as (url, _):
+        tray, _ = tray_for(url, tmp_path)
+        tray.follow()
+        try:
+            follow_until(tray, lambda news: polls(tray) >= 2, 10)
+            assert tray.down  # its polls fail too: this peer only refuses
+        finally:
+            tray.stop_following()
+
+
+# -- against real servers ---------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_follows_the_stream_without_polling(server, tmp_path, no_stream_left):
+    tray, _ = tray_for(server.url, tmp_path)
+    tray.follow()
+    try:
+        times: list[float] = []
+
+        def two_samples() -> bool:
+            if tray.sample is not None and tray.sample.t not in times:
+                times.append(tray.sample.t)
+            return len(times) >= 2
+
+        woken = follow_until(tray, lambda news: two_samples(), 15)
+        assert woken >= 1 and polls(tray) == 0
+        assert tray.status == "running" and tray.tooltip().startswith("vramguard: healthy, ")
+        assert tray.lines()[3] == "State: healthy"
+    finally:
+        tray.stop_following()
+
+
+@contextmanager
+def full_hub(url: str) -> Iterator[None]:
+    """Open live views until the server refuses one more."""
+    with httpx.Client(base_url=url, timeout=10) as client:
+        views: list[httpx.Response] = []
+        try:
+            for _ in range(2 * MAX_SUBSCRIBERS):
+                response = client.send(client.build_request("GET", "/v1/events"), stream=True)
+                if response.status_code == 503:
+                    response.close()
+                    break
+                views.append(response)
+            else:
+                pytest.fail("the server never refused a stream")
+            yield
+        finally:
+            for response in views:
+                response.close()
+
+
+@pytest.mark.slow
+def test_a_refused_stream_falls_back_to_polling_then_follows_again(server, tmp_path,
+                                                                   no_stream_left):
+    tray, _ = tray_for(server.url, tmp_path)
+    try:
+        with full_hub(server.url):
+            tray.follow()
+            woken = follow_until(tray, lambda news: polls(tray) >= 3, 15)
+            assert woken == 0  # nothing came over the stream
+            assert tray.status == "running" and tray.lines()[3] == "State: healthy"
+        # room again: the stream is tried again (after Retry-After), and polling stops
+        follow_until(tray, lambda news: news >= 1, 20)
+        before = polls(tray)
+        follow_until(tray, lambda news: news >= 2, 15)
+        assert polls(tray) == before and tray.status == "running"
+    finally:
+        tray.stop_following()
+
+
+@pytest.mark.slow
+def test_follows_a_server_that_starts_later_and_sees_it_go(tmp_path, monkeypatch,
+                                                          no_stream_left):
+    port = free_port()
+    monkeypatch.setattr(live_server_module, "free_port", lambda: port)
+    tray, _ = tray_for(f"http://127.0.0.1:{port}", tmp_path)
+    tray.follow()
+    try:
+        follow_until(tray, lambda news: news >= 1, 10)  # no server: that is news too
+        assert tray.down and tray.status == "starting"
+        with live_server(tmp_path):
+            follow_until(tray, lambda news: tray.sample is not None, 30)
+            assert tray.status == "running"
+        follow_until(tray, lambda news: tray.down, 15)  # the stream ended with the server
+        assert tray.status.startswith("not answering: ")
+        assert polls(tray) == 0
+    finally:
+        tray.stop_following()
