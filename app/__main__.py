@@ -2,4 +2,5 @@
 
 from app.cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # not when a decode worker process loads this module
+    raise SystemExit(main())

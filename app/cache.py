@@ -9,12 +9,17 @@ oldest entries are evicted first.
 from __future__ import annotations
 
 import hashlib
+import logging
+import sqlite3
 from pathlib import Path
 
 import diskcache
 import numpy as np
 
 from app.engine.predictor import Ranked
+
+log = logging.getLogger("vramguard.cache")
+STORE_ERRORS = (OSError, sqlite3.Error)  # a full disk, a damaged or locked database
 
 
 def cache_key(data: bytes, model: str, weights_version: str) -> str:
@@ -29,7 +34,13 @@ class ResultCache:
         self._cache = diskcache.Cache(str(directory), size_limit=size_limit)
 
     def get(self, key: str) -> Ranked | None:
-        value = self._cache.get(key)
+        """The cached ranking, or None; a cache that cannot be read is a miss, not an
+        error: the model can still answer."""
+        try:
+            value = self._cache.get(key)
+        except STORE_ERRORS as exc:
+            log.warning("the result cache cannot be read (%s); computing the answer", exc)
+            return None
         if value is None:
             return None
         indices, scores = value
@@ -38,7 +49,10 @@ class ResultCache:
     def put(self, key: str, ranked: Ranked) -> None:
         value = (ranked.indices.astype(np.int32).tobytes(),
                  ranked.scores.astype(np.float32).tobytes())
-        self._cache.set(key, value)
+        try:
+            self._cache.set(key, value)
+        except STORE_ERRORS as exc:  # the answer still goes out; only the cache misses it
+            log.warning("the result cache cannot be written (%s); is the disk full?", exc)
 
     def __len__(self) -> int:
         return len(self._cache)

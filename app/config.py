@@ -86,15 +86,44 @@ class Settings(BaseSettings):
                             "beyond this they get 503 and a Retry-After.")
     request_timeout_s: float = Field(10.0, gt=0, description="A request still queued after "
                                      "this many seconds gets 503 instead of being computed.")
+    max_connections: int = Field(1024, ge=1, description="Connections open at once; a new "
+                                 "one beyond this gets 503 and a Retry-After (fewer when the "
+                                 "open-files limit is lower).")
+    header_timeout_s: float = Field(10.0, gt=0, description="A connection must send a "
+                                    "whole request head (the lines before the body) within "
+                                    "this many seconds of its start, or of its first byte "
+                                    "after an answer; otherwise it is closed.")
+    # Longer than common clients' own keep-alive (httpx 5 s, aiohttp 15 s), so that it is
+    # the client that closes an idle connection: otherwise a request sent just as the
+    # server closes it fails with "server disconnected" (seen in the overload test).
+    idle_timeout_s: int = Field(30, ge=1, description="A connection that sends nothing for "
+                                "this many whole seconds after an answer is closed.")
     max_body_bytes: ByteSize = Field(ByteSize(32 * 1024**2), gt=0,
                                      description="Largest accepted upload (e.g. 32MiB).")
     max_inflight_body_bytes: ByteSize = Field(ByteSize(128 * 1024**2), gt=0,
-                                              description="Most upload bytes held by all "
-                                              "requests in progress together; beyond it, 503.")
+                                              description="Most upload bytes received and "
+                                              "held by all requests in progress together; "
+                                              "beyond it, 503.")
+    max_inflight_body_bytes_per_client: ByteSize = Field(
+        ByteSize(64 * 1024**2), gt=0, description="Most upload bytes received and held by "
+        "one client's requests in progress; beyond it, 503.")
+    body_read_timeout_s: float = Field(10.0, gt=0, description="An upload that sends "
+                                       "nothing more for this many seconds gets 408 and "
+                                       "its connection is closed.")
     max_image_pixels: int = Field(40_000_000, gt=0, description="Largest accepted image in "
                                   "pixels (width x height); guards against decompression bombs.")
-    decode_workers: int | None = Field(None, ge=1, description="Threads that decode images "
-                                       "(default: the number of physical CPU cores).")
+    decode_workers: int | None = Field(None, ge=1, description="Threads that decode images, "
+                                       "each with its own decoder process (default: the "
+                                       "number of physical CPU cores).")
+    decode_cpu_limit_s: float = Field(1.0, gt=0, description="CPU seconds one image may "
+                                      "take to open; beyond it its decoder is stopped and "
+                                      "the image refused (422).")
+    max_image_memory: ByteSize = Field(ByteSize(300 * 1024**2), gt=0, description="Most "
+                                       "memory one image may need while it is opened, "
+                                       "predicted from its size and format; beyond it, 413.")
+    decode_memory_budget: ByteSize = Field(ByteSize(1024**3), gt=0, description="Most "
+                                           "memory all images being opened at once may "
+                                           "need together; beyond it, 503.")
     cache: bool = Field(True, description="Remember results of images seen before.")
     cache_dir: Path = Field(default_factory=default_cache_dir,
                             description="Folder for the result cache.")
@@ -179,14 +208,15 @@ class Settings(BaseSettings):
         return (init_settings, env_settings, toml)
 
 
-def _describe(error: ErrorDetails) -> str:
+def _describe(error: ErrorDetails, config_file: Path | None) -> str:
     name = ".".join(str(part) for part in error["loc"])
+    where = f" or in {config_file}" if config_file else ""
     if not name:
         return f"invalid settings: {error['msg'].removeprefix('Value error, ')}"
     if error["type"] == "extra_forbidden":
-        return f"unknown setting '{name}' (check the spelling in your config file)"
-    return (f"setting '{name}' (env {ENV_PREFIX}{name.upper()}) is invalid: "
-            f"{error['msg']}; got {error.get('input')!r}")
+        return f"unknown setting '{name}' in {config_file}: check its spelling"
+    return (f"setting '{name}' (given as an option, as {ENV_PREFIX}{name.upper()}{where}) "
+            f"is invalid: {error['msg']}; got {error.get('input')!r}")
 
 
 def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:
@@ -197,13 +227,18 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
     path = config_file_in_use(config_file)
     if path != default_config_file() and not path.is_file():
         raise ConfigError(f"config file not found: {path}")
-    token = _toml_path.set(path if path.is_file() else None)
+    in_use = path if path.is_file() else None
+    token = _toml_path.set(in_use)
     given = {key: value for key, value in overrides.items() if value is not None}
     try:
         return Settings(**given)
     except ValidationError as exc:
-        raise ConfigError("; ".join(_describe(e) for e in exc.errors())) from None
+        raise ConfigError("; ".join(_describe(e, in_use) for e in exc.errors())) from None
     except ValueError as exc:  # malformed TOML
-        raise ConfigError(f"cannot read config file {path}: {exc}") from None
+        raise ConfigError(f"cannot read config file {path}: {exc}. Fix that line, or move "
+                          "the file away to start with the defaults.") from None
+    except OSError as exc:  # unreadable: permissions, a folder in its place
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}. Make it "
+                          "readable, or move it away to start with the defaults.") from None
     finally:
         _toml_path.reset(token)

@@ -7,8 +7,10 @@ Every failure that reaches a client is one of these, rendered as
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-from starlette.responses import JSONResponse
+if TYPE_CHECKING:  # imported where used: decode workers load this module, not the web stack
+    from starlette.responses import JSONResponse
 
 
 class ApiError(Exception):
@@ -30,6 +32,8 @@ class ApiError(Exception):
 
     def response(self) -> JSONResponse:
         """The JSON error body every client sees: ``{"error": {"code", "message"}}``."""
+        from starlette.responses import JSONResponse
+
         return JSONResponse({"error": {"code": self.code, "message": self.message}},
                             status_code=self.status, headers=self.headers())
 
@@ -46,12 +50,25 @@ class NotFound(ApiError):
     status, code = 404, "not_found"
 
 
+class RequestTimeout(ApiError):
+    """The client stopped sending its upload part way; its connection is closed."""
+
+    status, code = 408, "request_timeout"
+
+
 class PayloadTooLarge(ApiError):
     status, code = 413, "payload_too_large"
 
 
 class ImageTooLarge(ApiError):
     status, code = 413, "image_too_large"
+
+
+class ImageTooComplex(ApiError):
+    """The file is built so that opening it would cost far more computing time than an
+    ordinary image of its size (crafted, or broken in an unusual way)."""
+
+    status, code = 422, "image_too_complex"
 
 
 class UnsupportedMediaType(ApiError):
@@ -93,6 +110,13 @@ class Unauthorized(ApiError):
 
 class Conflict(ApiError):
     status, code = 409, "conflict"
+
+
+class ClientGone(ApiError):
+    """The client disconnected before its answer was ready; nobody reads this answer, but
+    it is counted (499, as nginx names it)."""
+
+    status, code = 499, "client_closed"
 
 
 class MethodNotAllowed(ApiError):

@@ -29,7 +29,6 @@ from app.instance import (
     running_instances,
 )
 
-KEEP_ALIVE_S = 30
 SHUTDOWN_MARGIN_S = 5  # after the last deadline: decoding and a batch still running
 STARTUP_FAILURE = 3  # uvicorn's own exit status when the server could not start
 STOP_GRACE_S = 10  # after the stop request is answered, or for a tray to follow its server
@@ -69,10 +68,12 @@ def _port_problem(host: str, port: int) -> str | None:
 
 
 def serve(settings: Settings, launched_by: int | None = None) -> int:
+    from app.connections import connection_limits, guarded_protocol, listening_socket
     from app.engine.device import DeviceError, resolve_device
-    from app.logs import setup_logging
+    from app.logs import flush_repeats, setup_logging
     from app.models import ModelLoadError, resolve_weights
     from app.server import create_app
+    from app.user_files import check_user_files, reason
 
     if settings.host not in LOOPBACK_HOSTS:
         if not settings.allow_remote:
@@ -89,8 +90,23 @@ def serve(settings: Settings, launched_by: int | None = None) -> int:
     except (DeviceError, ModelLoadError) as exc:
         print(f"vramguard: {exc}", file=sys.stderr)
         return 1
+    files = check_user_files(settings.token_file, settings.log_dir,
+                             settings.cache_dir if settings.cache else None)
+    if files.fatal:
+        print(f"vramguard: {files.fatal}", file=sys.stderr)
+        return 1
+    for warning in files.warnings:
+        print(f"vramguard: {warning}", file=sys.stderr)
+    if not files.cache_ok:
+        settings = settings.model_copy(update={"cache": False})
     lock = InstanceLock(settings.token_file.parent, settings.port)
-    if not lock.acquire(_url(settings), launched_by):
+    try:
+        acquired = lock.acquire(_url(settings), launched_by)
+    except OSError as exc:
+        print(f"vramguard: cannot write in {settings.token_file.parent}: {reason(exc)}. Then "
+              "start vramguard again.", file=sys.stderr)
+        return 1
+    if not acquired:
         if _already_running(settings) is None:
             print("vramguard: another vramguard is starting on this port; try again in a "
                   "moment.", file=sys.stderr)
@@ -101,28 +117,35 @@ def serve(settings: Settings, launched_by: int | None = None) -> int:
         lock.release()
         print(f"vramguard: {problem}", file=sys.stderr)
         return 1
-    log_file = setup_logging(settings.log_level, settings.log_dir)
+    log_file = setup_logging(settings.log_level, settings.log_dir if files.log_ok else None)
     logging.getLogger("vramguard").info("vramguard %s starting; log file %s", __version__,
-                                        log_file)
+                                        log_file or "none (its folder cannot be written)")
+    limits = connection_limits(settings.max_connections, settings.header_timeout_s)
+    try:
+        listener = listening_socket(settings.host, settings.port)
+    except OSError as exc:  # taken since the check above
+        lock.release()
+        print(f"vramguard: {_port_problem(settings.host, settings.port) or exc}",
+              file=sys.stderr)
+        return 1
     # uvicorn drains and stops on SIGINT/SIGTERM, then re-raises the signal; this handler
     # turns that into a normal exit (status 0) instead of death by signal.
     for stop_signal in (signal.SIGINT, signal.SIGTERM):
         signal.signal(stop_signal, _exit_cleanly)
     app = create_app(settings)
-    # Keep-alive longer than common clients' own (httpx 5 s, aiohttp 15 s), so that it is
-    # the client that closes an idle connection: otherwise a request sent just as the
-    # server closes it fails with "server disconnected" (seen in the overload test).
     # A graceful shutdown lets every queued request reach its own deadline (an answer,
     # if only a 503) before uvicorn cancels what is left: cancelled requests get a 500.
     graceful_s = int(settings.request_timeout_s + SHUTDOWN_MARGIN_S)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, workers=1,
                             log_level=settings.log_level, timeout_graceful_shutdown=graceful_s,
-                            timeout_keep_alive=KEEP_ALIVE_S, log_config=None)
+                            timeout_keep_alive=settings.idle_timeout_s,
+                            http=guarded_protocol(limits, app.state.vg.stats), log_config=None)
     server = _Server(config, on_exit=app.state.vg.events.close)
     try:
-        server.run()
+        server.run(sockets=[listener])
     finally:
         lock.release()
+        flush_repeats()
     return 0 if server.started else STARTUP_FAILURE
 
 

@@ -20,9 +20,10 @@ from app.api.errors import install_error_handlers
 from app.cache import ResultCache
 from app.config import Settings
 from app.cpu_pool import CpuPool
+from app.decode_pool import DecodeLimits, DecodePool
 from app.engine.engine import InferenceEngine
 from app.event_hub import EventHub
-from app.gates.admin_token import load_or_create_token
+from app.gates.admin_token import AdminToken, load_or_create_token
 from app.gates.body_limit import BodySizeLimit
 from app.gates.host_origin import HostOriginGate
 from app.gates.rate_limit import Rate, RateLimiter, RateLimitMiddleware
@@ -42,6 +43,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     state: AppState = app.state.vg
     starting = asyncio.create_task(state.engine.start())
     monitor = asyncio.create_task(_monitor(state))
+    state.decoder.start()
     try:
         yield
     finally:
@@ -49,6 +51,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         monitor.cancel()
         await asyncio.to_thread(state.engine.stop)
         state.pool.shutdown()
+        state.decoder.close()
         if state.cache is not None:
             state.cache.close()
 
@@ -104,16 +107,27 @@ def make_limiter(settings: Settings) -> RateLimiter:
         global_rates={"classify": Rate(settings.global_burst, settings.global_per_s)})
 
 
+def make_decoder(settings: Settings, workers: int) -> DecodePool:
+    """One decode process per CPU-pool thread, with the settings' limits."""
+    limits = DecodeLimits(max_pixels=settings.max_image_pixels,
+                          max_image_bytes=int(settings.max_image_memory),
+                          cpu_s=settings.decode_cpu_limit_s,
+                          max_body_bytes=int(settings.max_body_bytes))
+    return DecodePool(workers, limits, int(settings.decode_memory_budget))
+
+
 def make_state(settings: Settings, engine: InferenceEngine | None = None) -> AppState:
     """Everything the app holds; ``engine`` lets in-process tests bring their own."""
     cache = ResultCache(settings.cache_dir, int(settings.cache_size)) if settings.cache else None
+    pool = CpuPool(settings.decode_workers, max_waiting=settings.queue_size)
     return AppState(
         settings=settings,
         engine=engine or InferenceEngine(settings),
-        pool=CpuPool(settings.decode_workers, max_waiting=settings.queue_size),
+        pool=pool,
+        decoder=make_decoder(settings, pool.workers),
         cache=cache,
         stats=RequestStats(),
-        admin_token=load_or_create_token(settings.token_file),
+        admin_token=AdminToken(settings.token_file, load_or_create_token(settings.token_file)),
         limiter=make_limiter(settings),
         events=EventHub(),
         ui_sessions=UiSessions(),
@@ -126,17 +140,21 @@ def gates(settings: Settings, state: AppState) -> list[Middleware]:
     layers = [
         Middleware(MetricsMiddleware, metrics=state.metrics),
         Middleware(HostOriginGate, port=settings.port, extra_hosts=settings.allowed_hosts,
-                   allowed_origins=settings.cors_origins),
+                   allowed_origins=settings.cors_origins, stats=state.stats),
     ]
     if settings.rate_limit:
-        layers.append(Middleware(RateLimitMiddleware, limiter=state.limiter))
+        layers.append(Middleware(RateLimitMiddleware, limiter=state.limiter,
+                                 stats=state.stats))
     if settings.cors_origins:
         layers.append(Middleware(CORSMiddleware, allow_origins=settings.cors_origins,
                                  allow_methods=["GET", "POST"],
                                  allow_headers=["Authorization", "Content-Type",
                                                 "X-Client-Id"]))
-    layers.append(Middleware(BodySizeLimit, max_bytes=int(settings.max_body_bytes),
-                             max_inflight_bytes=int(settings.max_inflight_body_bytes)))
+    layers.append(Middleware(
+        BodySizeLimit, max_bytes=int(settings.max_body_bytes),
+        max_inflight_bytes=int(settings.max_inflight_body_bytes),
+        max_client_bytes=int(settings.max_inflight_body_bytes_per_client),
+        read_timeout_s=settings.body_read_timeout_s, stats=state.stats))
     return layers
 
 

@@ -9,8 +9,10 @@ from starlette.requests import HTTPConnection
 from app.cache import ResultCache
 from app.config import Settings
 from app.cpu_pool import CpuPool
+from app.decode_pool import DecodePool
 from app.engine.engine import InferenceEngine
 from app.event_hub import EventHub
+from app.gates.admin_token import AdminToken
 from app.gates.rate_limit import RateLimiter
 from app.gates.ui_session import UiSessions
 from app.metrics import Metrics
@@ -22,9 +24,10 @@ class AppState:
     settings: Settings
     engine: InferenceEngine
     pool: CpuPool
+    decoder: DecodePool
     cache: ResultCache | None
     stats: RequestStats
-    admin_token: str
+    admin_token: AdminToken
     limiter: RateLimiter
     events: EventHub
     ui_sessions: UiSessions

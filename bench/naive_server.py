@@ -16,8 +16,9 @@ import torch
 import uvicorn
 from fastapi import FastAPI, Request
 
-from app.imaging import decode_image, preprocess
+from app.imaging import open_image
 from app.models import DEFAULT_MODEL, load_model
+from app.pixels import model_input
 
 
 def create_naive_app(model_name: str = DEFAULT_MODEL) -> FastAPI:
@@ -27,8 +28,8 @@ def create_naive_app(model_name: str = DEFAULT_MODEL) -> FastAPI:
     @app.post("/v1/classify")
     async def classify(request: Request, top_k: int = 5) -> dict[str, object]:
         data = await request.body()
-        image = decode_image(data, 40_000_000)
-        pixels = preprocess(image, model.preprocessing)
+        spec = model.preprocessing
+        pixels = torch.from_numpy(model_input(open_image(data, 40_000_000, spec.resize), spec))
         with torch.inference_mode():
             probs = model.module(pixels[None]).softmax(-1)[0]
         scores, indices = probs.topk(top_k)

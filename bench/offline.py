@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from app.imaging import decode_image, preprocess
+from app.imaging import open_image
 from app.models import LoadedModel
+from app.pixels import model_input
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ def offline_throughput(model: LoadedModel, image: bytes, batch_size: int,
     spec = model.preprocessing
 
     def one_batch() -> None:
-        pixels = [preprocess(decode_image(image, 40_000_000, draft_size=spec.resize), spec)
+        pixels = [torch.from_numpy(model_input(open_image(image, 40_000_000, spec.resize), spec))
                   for _ in range(batch_size)]
         with torch.inference_mode():
             model.module(torch.stack(pixels)).softmax(-1).topk(5)

@@ -6,7 +6,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -23,12 +23,14 @@ def free_port() -> int:
 
 @contextmanager
 def running(command: list[str], ready_url: str, log: Path, env: dict[str, str] | None = None,
-            ready_timeout: float = 180, cwd: Path = ROOT) -> Iterator[subprocess.Popen[bytes]]:
+            ready_timeout: float = 180, cwd: Path = ROOT,
+            preexec_fn: Callable[[], object] | None = None,
+            ) -> Iterator[subprocess.Popen[bytes]]:
     """Run ``command`` in ``cwd`` until the block ends; raise with its log if it never gets
-    ready."""
+    ready. ``preexec_fn`` runs in the child before it starts (e.g. to lower its limits)."""
     with log.open("wb") as sink:
         process = subprocess.Popen(command, cwd=cwd, env=env, stdout=sink,
-                                   stderr=subprocess.STDOUT)
+                                   stderr=subprocess.STDOUT, preexec_fn=preexec_fn)
     try:
         deadline = time.monotonic() + ready_timeout
         while True:

@@ -83,8 +83,9 @@ class ReadyEngine(InferenceEngine):
 
 @contextmanager
 def built_app(tmp_path: Path, *, ready: bool = False, **overrides: Any) -> Iterator[FastAPI]:
-    """The real app (not started); with ``ready`` its engine is a ReadyEngine. Its CPU pool
-    and result cache are closed afterwards (the lifespan, which would, does not run)."""
+    """The real app (not started); with ``ready`` its engine is a ReadyEngine. Its CPU pool,
+    decode processes and result cache are closed afterwards (the lifespan, which would, does
+    not run)."""
     settings = make_settings(tmp_path, **overrides)
     app = create_app(settings, ReadyEngine(settings) if ready else None)
     try:
@@ -92,6 +93,7 @@ def built_app(tmp_path: Path, *, ready: bool = False, **overrides: Any) -> Itera
     finally:
         state = state_of(app)
         state.pool.shutdown()
+        state.decoder.close()
         if state.cache is not None:
             state.cache.close()
 

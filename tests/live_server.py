@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,8 +41,10 @@ class LiveServer:
 
 
 @contextmanager
-def live_server(tmp: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[LiveServer]:
-    """Run the server, isolated from the real user's folders, until the block ends."""
+def live_server(tmp: Path, *args: str, env: dict[str, str] | None = None,
+                preexec_fn: Callable[[], object] | None = None) -> Iterator[LiveServer]:
+    """Run the server, isolated from the real user's folders, until the block ends;
+    ``preexec_fn`` runs in its process before it starts."""
     port = free_port()
     home = tmp / f"home-{port}"
     inherited = {k: v for k, v in os.environ.items() if not k.startswith("VRAMGUARD_")}
@@ -52,5 +54,5 @@ def live_server(tmp: Path, *args: str, env: dict[str, str] | None = None) -> Ite
     url = f"http://127.0.0.1:{port}"
     log = tmp / f"server-{port}.log"
     command = [sys.executable, "-m", "app", "serve", "--port", str(port), *args]
-    with running(command, f"{url}/readyz", log, env=full_env) as process:
+    with running(command, f"{url}/readyz", log, env=full_env, preexec_fn=preexec_fn) as process:
         yield LiveServer(url, process, log, home / "admin-token", home)

@@ -60,15 +60,15 @@ def test_shutdown_drains_queued_requests_and_exits_0(tmp_path, how):
     assert "Traceback" not in running.log_text()
 
 
-def test_uploads_in_flight_are_capped_before_they_are_read(tmp_path):
+def test_upload_bytes_in_flight_are_capped_as_they_arrive(tmp_path):
     with live_server(tmp_path, "--no-cache",
                      env={"VRAMGUARD_MAX_INFLIGHT_BODY_BYTES": "1MiB"}) as running:
         port = int(running.url.rsplit(":", 1)[1])
         slow = socket.create_connection(("127.0.0.1", port))
-        try:
+        try:  # 600 kB of 800 kB received: the next 800 kB upload passes 1 MiB on its way
             slow.sendall(b"POST /v1/classify HTTP/1.1\r\nHost: 127.0.0.1:%d\r\n"
                          b"Content-Type: image/jpeg\r\nContent-Length: 800000\r\n\r\n" % port
-                         + bytes(1000))
+                         + bytes(600_000))
             time.sleep(0.3)
             with running.client() as client:
                 refused = client.post("/v1/classify", content=bytes(800_000), headers=JPEG)

@@ -6,7 +6,7 @@ import asyncio
 
 import httpx
 import pytest
-from images import bad_images, decompression_bomb, odd_valid_images, photo
+from images import bad_images, decompression_bomb, memory_bombs, odd_valid_images, photo, scan_bomb
 
 pytestmark = pytest.mark.slow
 JPEG = {"Content-Type": "image/jpeg"}
@@ -102,6 +102,18 @@ def test_bad_images_get_400_and_the_server_keeps_serving(server, name):
 def test_decompression_bomb_gets_413(server):
     with server.client() as client:
         assert_error(classify(client, decompression_bomb(8000)), 413, "image_too_large")
+
+
+def test_crafted_images_are_answered_quickly_and_the_server_keeps_serving(server):
+    """A scan bomb is refused at once (422); the issue's 40-megapixel memory bombs are
+    classified; the decode processes behind the real server keep working throughout."""
+    with server.client() as client:
+        refused = client.post("/v1/classify", content=scan_bomb(), headers=JPEG,
+                              timeout=3.0)  # the issue's bound on an answer
+        assert_error(refused, 422, "image_too_complex")
+        for name, data in memory_bombs().items():
+            assert classify(client, data).status_code == 200, name
+        assert classify(client, photo()).status_code == 200
 
 
 def test_oversized_body_gets_413_before_it_is_read(server):

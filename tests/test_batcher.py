@@ -205,6 +205,23 @@ def test_requests_expire_while_nothing_fits_in_memory(make, fake_clock):
     assert batcher.stats.expired == 1 and batcher.stats.batches == 0
 
 
+def test_work_that_would_answer_after_its_deadline_is_not_started(make, fake_clock):
+    """The deadline is a promise about when the answer arrives: at 0.1 s per image, a
+    request with 0.05 s left when the device frees is refused, not computed late."""
+    model = FakeModel(clock=fake_clock)
+    batcher = make(model, max_batch=4, clock=fake_clock)
+    batcher.set_service_rate(10.0)  # 0.1 s per image
+    hold_busy(model, batcher)
+    late = batcher.submit("late", timeout_s=1.0)
+    in_time = batcher.submit("in time", timeout_s=5.0)
+    fake_clock.advance(0.95)  # "late" now has 0.05 s left, "in time" 4.05 s
+    model.gate.set()
+    with pytest.raises(DeadlineExceeded):
+        late.result(5)
+    assert in_time.result(5) == "out:in time"
+    assert all("late" not in batch for batch in model.batches)
+
+
 def test_cancelled_requests_are_withdrawn(make):
     model = FakeModel()
     batcher = make(model, max_batch=4)

@@ -56,6 +56,7 @@ async def _scenario(tmp_path: Path) -> list[bool]:
     finally:
         await asyncio.to_thread(engine.stop)
         state.pool.shutdown()
+        state.decoder.close()
         if state.cache is not None:
             state.cache.close()
 

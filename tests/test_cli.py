@@ -19,6 +19,7 @@ def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str
                           text=True, timeout=timeout)
 
 
+@pytest.mark.slow  # loads the model and times every batch size up to 32
 def test_doctor_checks_torch_device_and_model():
     result = run_cli("doctor")
     assert result.returncode == 0, result.stdout + result.stderr

@@ -41,7 +41,11 @@ def wait_until(predicate, timeout: float = 15.0) -> None:
 
 
 def text_of(browser, key: str) -> str:
-    return browser.find_element("css selector", f'dd[data-key="{key}"]').text
+    """Read in one script call: the page rebuilds these rows on every sample, so an element
+    found first and read afterwards may already be gone."""
+    return str(browser.execute_script(
+        "const dd = document.querySelector(`dd[data-key=\"${arguments[0]}\"]`);"
+        "return dd ? dd.textContent : '';", key))
 
 
 def test_dashboard_draws_updates_and_empties_the_cache(server, browser):

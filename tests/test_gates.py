@@ -6,6 +6,7 @@ import pytest
 
 from app.gates.host_origin import HostOriginGate, split_host
 from app.gates.rate_limit import Rate, RateLimited, RateLimiter, client_key, route_family
+from app.stats import RequestStats
 
 
 class FakeClock:
@@ -110,7 +111,7 @@ def test_split_host(value, expected):
 
 def test_host_and_origin_rules():
     guard = HostOriginGate(app=None, port=8765, extra_hosts=["myhost.lan"],  # type: ignore[arg-type]
-                            allowed_origins=["http://localhost:3000"])
+                            allowed_origins=["http://localhost:3000"], stats=RequestStats())
     for ok in ("127.0.0.1:8765", "localhost:8765", "[::1]:8765", "myhost.lan:8765"):
         assert guard.host_allowed(ok)
     for bad in ("evil.example", "evil.example:8765", "127.0.0.1:9999", "127.0.0.1", None,

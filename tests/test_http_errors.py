@@ -3,12 +3,15 @@ the real app in process: before warmup, and with a stand-in engine that is ready
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 from asgi import (  # noqa: F401  (anyio_backend is a fixture)
     LABELS,
+    PEER,
+    PORT,
     ReadyEngine,
     anyio_backend,
     built_app,
@@ -20,8 +23,10 @@ from asgi import (  # noqa: F401  (anyio_backend is a fixture)
     value,
 )
 from fastapi import FastAPI
+from starlette.types import Message
 
 pytestmark = pytest.mark.anyio
+PNG = {"Content-Type": "image/png"}
 
 
 @pytest.fixture
@@ -109,7 +114,7 @@ async def test_an_upload_over_the_limit_is_413_even_before_warmup(tmp_path: Path
             response = await http.post("/v1/classify", content=b"x" * 2048,
                                        headers={"Content-Type": "image/jpeg"})
     assert "larger than" in error_message(response, 413, "payload_too_large")
-    assert state_of(app).stats.snapshot() == {}  # answered by the gate, before any route
+    assert state_of(app).stats.snapshot() == {"payload_too_large": 1}  # by the gate
 
 
 async def test_the_413_message_states_a_small_limit_truthfully(tmp_path: Path) -> None:
@@ -187,3 +192,55 @@ async def test_an_image_reaches_the_engine_and_the_answer_is_json(ready_app: Fas
     assert [tuple(s.pixels.shape) for s in engine.samples] == [(3, 32, 32), (3, 32, 32)]
     assert [s.top_k for s in engine.samples] == [3, 5]
     assert state_of(ready_app).stats.snapshot() == {"ok": 2}
+
+
+async def test_pause_refuses_cached_images_too(tmp_path: Path) -> None:
+    """Paused means no answers at all, not only no model work."""
+    with built_app(tmp_path, ready=True, cache=True) as app:
+        async with client(app) as http:
+            computed = await http.post("/v1/classify", content=png(), headers=PNG)
+            cached = await http.post("/v1/classify", content=png(), headers=PNG)
+            state_of(app).engine.paused = True
+            paused = await http.post("/v1/classify", content=png(), headers=PNG)
+    assert computed.json()["cached"] is False and cached.json()["cached"] is True
+    assert "paused" in error_message(paused, 503, "paused")
+    assert paused.headers["Retry-After"] == "30"
+    assert state_of(app).stats.snapshot() == {"ok": 1, "cached": 1, "paused": 1}
+
+
+async def hang_up_mid_upload(app: FastAPI, path: str, content_type: str) -> list[Message]:
+    """Call ``app`` as a server does for a client that sends 100 of its 1000 bytes, then
+    hangs up; return what the app sent (a server drops it: nobody is listening)."""
+    incoming = [{"type": "http.request", "body": b"x" * 100, "more_body": True}]
+
+    async def receive() -> Message:
+        return incoming.pop(0) if incoming else {"type": "http.disconnect"}
+
+    sent: list[Message] = []
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(),
+             "root_path": "", "query_string": b"", "client": PEER,
+             "server": ("127.0.0.1", PORT),
+             "headers": [(b"host", f"127.0.0.1:{PORT}".encode()),
+                         (b"content-type", content_type.encode()),
+                         (b"content-length", b"1000")]}
+    await app(scope, receive, send)
+    return sent
+
+
+@pytest.mark.parametrize(("path", "content_type"), [
+    ("/v1/classify", "image/png"),  # the route reads the body itself
+    ("/v1/ui/session", "application/json"),  # FastAPI reads it for the route
+])
+async def test_a_client_that_hangs_up_mid_upload_is_499_without_a_traceback(
+        ready_app: FastAPI, caplog: pytest.LogCaptureFixture, path: str,
+        content_type: str) -> None:
+    with caplog.at_level(logging.INFO):
+        sent = await hang_up_mid_upload(ready_app, path, content_type)
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
+    assert state_of(ready_app).stats.snapshot() == {"client_closed": 1}
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info] == []

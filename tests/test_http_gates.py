@@ -1,10 +1,12 @@
-"""The ASGI gates in process: body limits (each body and all in flight), Host and Origin,
-and the rate limiter through the real app, with an injected clock."""
+"""The ASGI gates in process: body limits (each body, all and each client's in flight,
+stalls), Host and Origin, and the rate limiter through the real app, with an injected
+clock; every refusal counted in /v1/stats."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterator
+from contextlib import suppress
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from asgi import (  # noqa: F401  (anyio_backend is a fixture)
     built_app,
     client,
     error_message,
+    png,
     state_of,
     until,
 )
@@ -27,26 +30,31 @@ from starlette.types import Receive, Scope, Send
 from app.errors import ApiError
 from app.gates.body_limit import BodySizeLimit
 from app.gates.host_origin import HostOriginGate
+from app.stats import RequestStats
 
 pytestmark = pytest.mark.anyio
 LIMIT = 1000  # bytes per body
 CAP = 2500  # bytes of all bodies in flight
+MIB = 1024**2
 
 
 class Uploads:
     """A small app behind the body gate. /read reads the body and answers its size; /hold
-    reads it, then waits for ``release``; /boom reads it, then fails. ApiErrors are
-    answered as the real app does."""
+    reads it, then waits for ``release``; /boom reads it, then fails; /listen reads it,
+    then waits for a hang-up. ApiErrors are answered as the real app does."""
 
-    def __init__(self) -> None:
+    def __init__(self, client_cap: int = CAP, read_timeout_s: float = 5.0) -> None:
         self.bodies: list[int] = []  # sizes of the bodies an endpoint read in full
         self.release = asyncio.Event()
+        self.stats = RequestStats()
         self.gate = BodySizeLimit(Starlette(
             routes=[Route("/read", self.read, methods=["POST"]),
                     Route("/hold", self.hold, methods=["POST"]),
-                    Route("/boom", self.boom, methods=["POST"])],
+                    Route("/boom", self.boom, methods=["POST"]),
+                    Route("/listen", self.listen, methods=["GET", "POST"])],
             exception_handlers={ApiError: self.api_error}), max_bytes=LIMIT,
-            max_inflight_bytes=CAP)
+            max_inflight_bytes=CAP, max_client_bytes=client_cap,
+            read_timeout_s=read_timeout_s, stats=self.stats)
 
     async def read(self, request: Request) -> Response:
         body = await request.body()
@@ -61,6 +69,14 @@ class Uploads:
     async def boom(self, request: Request) -> Response:
         await request.body()
         raise RuntimeError("the handler failed after reading the body")
+
+    async def listen(self, request: Request) -> Response:
+        """Read the body (if any), then wait for the client to hang up for three read
+        timeouts, as classify (waiting for the model) and the event stream do."""
+        body = await request.body()
+        with suppress(TimeoutError):
+            await asyncio.wait_for(request.receive(), 3 * self.gate.read_timeout_s)
+        return JSONResponse({"bytes": len(body)})
 
     @staticmethod
     async def api_error(request: Request, exc: Exception) -> Response:
@@ -79,6 +95,25 @@ class Chunks:
         for _ in range(self.count):
             self.pulled += 1
             yield b"x" * self.size
+
+
+class Stalling:
+    """A request body that sends ``first``, then nothing until ``go`` is set (an idle
+    socket), then ``rest``. ``waiting`` says the server has asked for the chunk that is
+    not coming."""
+
+    def __init__(self, first: bytes = b"", rest: bytes = b"") -> None:
+        self.first, self.rest = first, rest
+        self.go = asyncio.Event()
+        self.waiting = False
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        if self.first:
+            yield self.first
+        self.waiting = True
+        await self.go.wait()
+        if self.rest:
+            yield self.rest
 
 
 @pytest.fixture
@@ -195,6 +230,135 @@ async def test_in_flight_bytes_are_given_back_when_a_request_fails_or_is_cancell
     assert gate.inflight == 0
 
 
+# --- bodies as they arrive: idle, stalled, per client -----------------------------------
+
+
+async def test_idle_declared_uploads_do_not_block_a_real_one(tmp_path: Path) -> None:
+    """Four sockets that each declare 32 MiB (together the whole default budget of bytes
+    in flight) and send nothing hold nothing: a real upload still gets through."""
+    idle = [Stalling() for _ in range(4)]
+    with built_app(tmp_path, ready=True) as app:
+        async with client(app) as http:
+            pending = [asyncio.ensure_future(http.post(
+                "/v1/classify", content=body,
+                headers={"Content-Type": "image/png", "Content-Length": str(32 * MIB)}))
+                for body in idle]
+            await until(lambda: all(body.waiting for body in idle))
+            response = await http.post("/v1/classify", content=png(),
+                                       headers={"Content-Type": "image/png"})
+            for request in pending:
+                request.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+    assert response.status_code == 200, response.text
+
+
+async def test_bytes_are_charged_as_they_arrive_not_as_declared(uploads: Uploads) -> None:
+    gate = uploads.gate
+    body = Stalling(b"x" * 300, b"x" * 700)
+    async with client(gate) as http:
+        sending = asyncio.ensure_future(http.post("/read", content=body,
+                                                  headers={"Content-Length": "1000"}))
+        await until(lambda: body.waiting)
+        assert gate.inflight == 300 and gate.by_client == {"127.0.0.1": 300}
+        body.go.set()
+        response = await asyncio.wait_for(sending, 5)
+    assert response.json() == {"bytes": 1000}
+    assert gate.inflight == 0 and gate.by_client == {}
+
+
+async def test_one_client_cannot_hold_the_whole_budget() -> None:
+    uploads = Uploads(client_cap=1500)
+    async with client(uploads.gate) as http:
+        held = asyncio.ensure_future(http.post("/hold", content=b"x" * LIMIT))
+        await until(lambda: uploads.bodies == [LIMIT])
+        refused = await http.post("/read", content=b"x" * LIMIT)  # 2000 > 1500 for one client
+        other = await http.post("/read", content=b"x" * LIMIT,  # 2000 <= 2500 for all
+                                headers={"X-Client-Id": "other-app"})
+        uploads.release.set()
+        assert (await asyncio.wait_for(held, 5)).status_code == 200
+    assert "This program" in error_message(refused, 503, "overloaded")
+    assert refused.headers["Retry-After"] == "1"
+    assert other.json() == {"bytes": LIMIT}
+    assert uploads.gate.inflight == 0 and uploads.gate.by_client == {}
+
+
+@pytest.mark.parametrize("first", [b"", b"x" * 300], ids=["nothing-sent", "part-sent"])
+async def test_a_stalled_body_gets_408_and_its_connection_closed(first: bytes) -> None:
+    uploads = Uploads(read_timeout_s=0.2)
+    async with client(uploads.gate) as http:
+        response = await asyncio.wait_for(http.post(
+            "/read", content=Stalling(first), headers={"Content-Length": "1000"}), 5)
+    assert "stopped arriving" in error_message(response, 408, "request_timeout")
+    assert response.headers["Connection"] == "close"
+    assert uploads.bodies == [] and uploads.gate.inflight == 0 and uploads.gate.by_client == {}
+
+
+async def test_a_refused_body_that_stalls_still_gets_its_answer_and_is_closed() -> None:
+    """A 413 is read through before it is answered; a body that stalls meanwhile ends the
+    reading, not the answer."""
+    uploads = Uploads(read_timeout_s=0.2)
+    async with client(uploads.gate) as http:
+        response = await asyncio.wait_for(http.post(
+            "/read", content=Stalling(b"x" * 300), headers={"Content-Length": "1500"}), 5)
+    error_message(response, 413, "payload_too_large")
+    assert response.headers["Connection"] == "close"
+    assert uploads.stats.snapshot() == {"payload_too_large": 1}
+
+
+@pytest.mark.parametrize("method", ["GET", "POST"])
+async def test_waiting_for_a_hang_up_is_not_a_stall(method: str) -> None:
+    """No body (GET), or one read in full: waiting longer than the read timeout for the
+    client to leave answers normally, uncharged and without closing."""
+    uploads = Uploads(read_timeout_s=0.1)
+    async with client(uploads.gate) as http:
+        response = await asyncio.wait_for(http.request(
+            method, "/listen", content=b"x" * 500 if method == "POST" else None), 5)
+    assert response.status_code == 200, response.text
+    assert "Connection" not in response.headers
+    assert uploads.gate.inflight == 0 and uploads.stats.snapshot() == {}
+
+
+async def test_a_stalled_sign_in_gets_408_even_before_the_model_is_ready(
+        tmp_path: Path) -> None:
+    """/v1/ui/session takes a JSON body before the model is ready; FastAPI reads it, and
+    its stall is still a 408, not a 400."""
+    with built_app(tmp_path, body_read_timeout_s=0.2) as app:
+        async with client(app) as http:
+            response = await asyncio.wait_for(http.post(
+                "/v1/ui/session", content=Stalling(b'{"code": '),
+                headers={"Content-Type": "application/json", "Content-Length": "40"}), 5)
+    error_message(response, 408, "request_timeout")
+    assert response.headers["Connection"] == "close"
+    assert state_of(app).stats.snapshot() == {"request_timeout": 1}
+
+
+async def test_every_gate_refusal_is_counted_in_stats(tmp_path: Path) -> None:
+    """403, 429, 413 and the in-flight 503 appear in /v1/stats, each once."""
+    held = Stalling(b"x" * 800)
+    with built_app(tmp_path, ready=True, read_burst=1, max_body_bytes="1KiB",
+                   max_inflight_body_bytes="1500") as app:
+        async with client(app) as http:
+            holding = asyncio.ensure_future(http.post(
+                "/v1/classify", content=held,
+                headers={"Content-Type": "image/png", "Content-Length": "1000"}))
+            await until(lambda: held.waiting)
+            answers = [
+                await http.get("/healthz", headers={"Host": "evil.example"}),
+                await http.get("/healthz"),
+                await http.get("/healthz"),
+                await http.post("/v1/classify", content=b"x" * 2048,
+                                headers={"Content-Type": "image/png"}),
+                await http.post("/v1/classify", content=b"x" * 800,  # 1600 > 1500 in flight
+                                headers={"Content-Type": "image/png"}),
+            ]
+            stats = await http.get("/v1/stats", headers={"X-Client-Id": "monitor"})
+            holding.cancel()
+            await asyncio.gather(holding, return_exceptions=True)
+    assert [a.status_code for a in answers] == [403, 200, 429, 413, 503]
+    assert stats.json()["requests"] == {"forbidden": 1, "rate_limited": 1,
+                                        "payload_too_large": 1, "overloaded": 1}
+
+
 # --- Host and Origin --------------------------------------------------------------------
 
 
@@ -205,7 +369,8 @@ async def test_a_refused_host_never_reaches_the_app() -> None:
         calls.append(scope["path"])
         await JSONResponse({"ok": True})(scope, receive, send)
 
-    gate = HostOriginGate(inner, port=8765, extra_hosts=[], allowed_origins=[])
+    gate = HostOriginGate(inner, port=8765, extra_hosts=[], allowed_origins=[],
+                          stats=RequestStats())
     async with client(gate) as http:
         refused = await http.get("/anything", headers={"Host": "evil.example"})
         passed = await http.get("/anything")

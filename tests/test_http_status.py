@@ -100,7 +100,8 @@ async def test_stats_count_answers_by_outcome(tmp_path: Path) -> None:
                 pass
             state_of(app).engine.paused = True
             body = (await http.get("/v1/stats", headers={"X-Client-Id": "monitor"})).json()
-    assert body["requests"] == {"not_found": 3, "bad_request": 1, "not_ready": 1}
+    assert body["requests"] == {"not_found": 3, "bad_request": 1, "not_ready": 1,
+                                "rate_limited": 1}
     assert body["rate_limited"] == 1 and body["paused"] is True
 
 

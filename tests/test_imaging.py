@@ -1,17 +1,22 @@
-"""Decoding untrusted bytes and preprocessing them for the model."""
+"""Decoding untrusted bytes and preprocessing them for the model, in this process (the decode
+worker processes run the same functions: tests/test_decode_pool.py)."""
 
 from __future__ import annotations
 
 import io
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from images import (
     bad_images,
     coffee_image,
     decompression_bomb,
     encode,
+    memory_bombs,
     odd_valid_images,
     photo,
     png_header,
@@ -20,18 +25,19 @@ from images import (
 from PIL import Image
 
 from app.errors import BadImage, ImageTooLarge
-from app.imaging import Preprocessing, decode_image, preprocess, to_rgb
+from app.imaging import Preprocessing, decode_image, open_image, to_rgb
 from app.models.efficientnet_lite import PREPROCESSING
+from app.pixels import model_input, preprocess
 
 LIMIT = 40_000_000
 
 
 @pytest.mark.parametrize("name", sorted(odd_valid_images()))
 def test_odd_but_valid_images_decode_to_rgb(name):
-    image = decode_image(odd_valid_images()[name], LIMIT, draft_size=256)
+    image = decode_image(odd_valid_images()[name], LIMIT, shrink_to=256)
     assert image.mode == "RGB"
     pixels = preprocess(image, PREPROCESSING)
-    assert pixels.shape == (3, 224, 224) and pixels.dtype == torch.float32
+    assert pixels.shape == (3, 224, 224) and pixels.dtype == np.float32
 
 
 @pytest.mark.parametrize("name", sorted(bad_images()))
@@ -93,7 +99,7 @@ def test_gif_gives_its_first_frame():
 
 def test_jpeg_draft_keeps_at_least_the_resize_size():
     big = coffee_image().resize((2400, 1600))
-    image = decode_image(encode(big, "JPEG"), LIMIT, draft_size=256)
+    image = decode_image(encode(big, "JPEG"), LIMIT, shrink_to=256)
     assert min(image.size) >= 256 and image.size[0] < 2400
 
 
@@ -112,5 +118,75 @@ def test_resize_and_centre_crop_match_the_two_step_version():
     scaled = image.resize((round(w * 256 / h), 256), Image.Resampling.BILINEAR)
     left = (scaled.width - 224) // 2
     reference = np.asarray(scaled.crop((left, 16, left + 224, 240)), dtype=np.float32)
-    diff = np.abs(ours.permute(1, 2, 0).numpy() - reference)
+    diff = np.abs(ours.transpose(1, 2, 0) - reference)
     assert diff.mean() < 3.0  # same region and scale, up to resampling rounding
+
+
+# --- shrinking before converting: the model's input, at a bounded memory cost -------------
+
+PIXEL_UNITS = Preprocessing(resize=256, crop=224, mean=(0.0,) * 3, std=(1.0,) * 3)
+
+
+def test_the_models_input_matches_decoding_then_preprocessing() -> None:
+    """model_input (crop and shrink first, convert last) gives what decoding the whole
+    image and preprocessing it gives, up to resampling rounding."""
+    ours = model_input(open_image(photo(), LIMIT, PREPROCESSING.resize), PREPROCESSING)
+    whole = preprocess(decode_image(photo(), LIMIT), PREPROCESSING)
+    assert ours.shape == whole.shape == (3, 224, 224) and ours.dtype == np.float32
+    assert np.abs(ours - whole).mean() < 3 / 128  # three pixel levels
+
+
+def test_shrinking_half_transparent_edges_does_not_darken_them() -> None:
+    """Averaging straight (not premultiplied) alpha would turn the red edge next to
+    transparent black into dark red on white."""
+    half = Image.new("RGBA", (2000, 2000), (0, 0, 0, 0))
+    half.paste((255, 0, 0, 255), (0, 0, 1001, 2000))
+    pixels = model_input(open_image(encode(half, "PNG"), LIMIT), PIXEL_UNITS)
+    assert pixels[0].min() > 250  # red everywhere: 255 on the red half and on white
+
+
+def test_a_dark_sixteen_bit_image_stays_dark_after_shrinking() -> None:
+    """16-bit grey is widened to 32-bit to be shrunk; it is still scaled as 16-bit."""
+    dark = Image.fromarray(np.full((1200, 1200), 200, dtype=np.uint16))  # 200 of 65535
+    image = decode_image(encode(dark, "PNG"), LIMIT, shrink_to=100)
+    assert image.size == (100, 100) and np.asarray(image).max() <= 1
+
+
+def _peak_in_a_fresh_process(path: Path) -> dict[str, int]:
+    """Predicted and measured peak memory of one decode, in a new interpreter (peak RSS
+    only ever grows, so each case needs its own)."""
+    script = f"""
+import json
+from pathlib import Path
+from app.imaging import Preprocessing, model_patch, open_image
+def kib(field):  # VmRSS now, VmHWM the peak (ru_maxrss would include the parent's)
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+spec = Preprocessing(resize=256, crop=224, mean=(0.0,) * 3, std=(1.0,) * 3)
+before = kib("VmRSS")
+opened = open_image(Path({str(path)!r}).read_bytes(), {LIMIT}, spec.resize)
+model_patch(opened, spec)
+print(json.dumps({{"predicted": opened.peak_bytes, "measured": kib("VmHWM") - before}}))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          check=True, timeout=120, cwd=Path(__file__).parent.parent)
+    result: dict[str, int] = json.loads(done.stdout)
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("name", sorted(memory_bombs()))
+def test_a_small_file_that_decodes_huge_stays_within_its_predicted_peak(
+        name: str, tmp_path: Path) -> None:
+    """The issue's files (16-bit PNG, float TIFF, RGBA PNG; 40 megapixels in 90-270 KB)
+    took 760 MiB to 1.07 GiB each; now at most 300 MiB, and the prediction made before
+    decoding covers what is measured without overstating it much."""
+    path = tmp_path / "image"
+    path.write_bytes(memory_bombs()[name])
+    peak = _peak_in_a_fresh_process(path)
+    mib = {key: round(value / 2**20) for key, value in peak.items()}
+    print(f"{name}: {mib}")
+    assert peak["measured"] <= peak["predicted"] <= 300 * 2**20, mib
+    assert peak["predicted"] - peak["measured"] < 32 * 2**20, mib

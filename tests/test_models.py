@@ -7,9 +7,9 @@ import torch
 import torchvision.models
 from images import coffee_image
 
-from app.imaging import preprocess
 from app.models import ModelLoadError, available_models, load_model, resolve_weights
 from app.models.efficientnet_lite import PREPROCESSING
+from app.pixels import preprocess
 
 CPU = torch.device("cpu")
 
@@ -31,7 +31,8 @@ def test_inception_normalisation_beats_imagenet_statistics():
     scores = {}
     for name, spec in (("inception", PREPROCESSING), ("imagenet", imagenet)):
         with torch.inference_mode():
-            probs = model.module(preprocess(coffee_image(), spec)[None]).softmax(-1)[0]
+            pixels = torch.from_numpy(preprocess(coffee_image(), spec))
+            probs = model.module(pixels[None]).softmax(-1)[0]
         assert int(probs.argmax()) == 967
         scores[name] = float(probs[967])
     assert scores["inception"] > scores["imagenet"] + 0.05
@@ -73,7 +74,7 @@ def test_errors_for_unknown_models_and_wrong_files(tmp_path):
         resolve_weights("resnet18", tmp_path / "absent.pth")
     garbage = tmp_path / "garbage.pth"
     garbage.write_bytes(b"not a checkpoint")
-    with pytest.raises(ModelLoadError, match="could not be read"):
+    with pytest.raises(ModelLoadError, match="is damaged or incomplete"):
         load_model("resnet18", CPU, garbage)
     other = tmp_path / "other.pth"
     torch.save(torchvision.models.get_model("mobilenet_v3_small").state_dict(), other)

@@ -1,5 +1,6 @@
-"""``POST /v1/classify``: read the upload, decode it on the CPU pool (or answer from the
-result cache), queue it for the device thread, and answer in JSON."""
+"""``POST /v1/classify``: read the upload, decode it in a decode worker process through the
+CPU pool (or answer from the result cache), queue it for the device thread, and answer in
+JSON."""
 
 from __future__ import annotations
 
@@ -14,15 +15,14 @@ from starlette.datastructures import UploadFile
 
 from app.cache import cache_key
 from app.engine.predictor import Ranked, Sample
-from app.errors import ApiError, BadRequest, NotFound, UnsupportedMediaType, too_busy_to_start
-from app.imaging import decode_image, preprocess
+from app.errors import BadRequest, ClientGone, NotFound, UnsupportedMediaType, too_busy_to_start
 from app.models import LoadedModel
 from app.schemas import ClassifyResponse, ErrorResponse, PredictionOut
 from app.state import AppState, state_of
 
 router = APIRouter()
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (400, 404, 413, 415, 503)
+    code: {"model": ErrorResponse} for code in (400, 404, 408, 413, 415, 422, 503)
 }
 _NOT_IMAGES = {"image/svg+xml": "SVG drawings", "image/x-icon": "icons"}
 _BODY_DOC = {
@@ -37,12 +37,6 @@ _BODY_DOC = {
         },
     }
 }
-
-
-class ClientGone(ApiError):
-    """The client disconnected while its request waited; nobody reads this answer."""
-
-    status, code = 499, "client_closed"
 
 
 async def read_upload(request: Request) -> bytes:
@@ -85,19 +79,17 @@ async def unless_disconnected(request: Request, work: asyncio.Future[Any]) -> An
     raise ClientGone("The client disconnected before its answer was ready.")
 
 
-def _prepare(state: AppState, model: LoadedModel, data: bytes
+def _prepare(state: AppState, model: LoadedModel, data: bytes, deadline: float
              ) -> tuple[str | None, Ranked | torch.Tensor]:
     """On the CPU pool: the cache key and the cached ranking (by content hash), or the
-    decoded and preprocessed pixels."""
+    pixels, decoded and preprocessed by a decode worker process before ``deadline``."""
     key = None
     if state.cache is not None:
         key = cache_key(data, model.name, model.weights_version)
         hit = state.cache.get(key)
         if hit is not None:
             return key, hit
-    spec = model.preprocessing
-    image = decode_image(data, state.settings.max_image_pixels, draft_size=spec.resize)
-    return key, preprocess(image, spec)
+    return key, torch.from_numpy(state.decoder.decode(data, model.preprocessing, deadline))
 
 
 @router.post("/v1/classify", response_model=ClassifyResponse, responses=_ERRORS,
@@ -114,10 +106,12 @@ async def classify(
         raise NotFound(f"Model '{model}' is not loaded; this appliance serves "
                        f"'{state.settings.model}'.")
     loaded = engine.require_runtime().model
+    engine.require_unpaused()
     started = time.perf_counter()
     deadline = time.monotonic() + state.settings.request_timeout_s
     data = await read_upload(request)
-    key, found = await state.pool.run_before(deadline, _prepare, state, loaded, data)
+    key, found = await state.pool.run_before(deadline, _prepare, state, loaded, data,
+                                             deadline)
     prepared = time.perf_counter()
     batch_size = 0
     if isinstance(found, Ranked):

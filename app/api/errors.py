@@ -9,9 +9,10 @@ from collections.abc import Mapping
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse
 
-from app.errors import ApiError, BadRequest, InternalError, MethodNotAllowed, NotFound
+from app.errors import ApiError, BadRequest, ClientGone, InternalError, MethodNotAllowed, NotFound
 from app.state import state_of
 
 log = logging.getLogger("vramguard.server")
@@ -45,9 +46,24 @@ async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse
     return _answer(request, BadRequest(validation_message(exc)))
 
 
+def hung_up() -> ClientGone:
+    return ClientGone("The client disconnected before its upload had arrived.")
+
+
+async def _on_client_disconnect(request: Request, exc: Exception) -> JSONResponse:
+    """A client that hangs up mid-upload is an outcome (499), not a failure to log."""
+    return _answer(request, hung_up())
+
+
 async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
     if not isinstance(exc, HTTPException):
         raise TypeError(f"registered for HTTPException, got {type(exc).__name__}")
+    # FastAPI turns any failure while it reads a JSON body into a 400 "error parsing the
+    # body": answer the real one (a body gate's 408/413/503, the client hanging up).
+    if isinstance(exc.__cause__, ApiError):
+        return _answer(request, exc.__cause__)
+    if isinstance(exc.__cause__, ClientDisconnect):
+        return _answer(request, hung_up())
     mapped: ApiError
     if exc.status_code == 404:
         mapped = NotFound(f"There is no {request.url.path} here. See /docs for the API.")
@@ -69,4 +85,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, _on_api_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(HTTPException, _on_http_error)
+    app.add_exception_handler(ClientDisconnect, _on_client_disconnect)
     app.add_exception_handler(Exception, _on_unexpected)

@@ -229,9 +229,10 @@ class MicroBatcher(Generic[P, R]):
         if limit <= 0:  # nothing fits: only clear out what has expired or been withdrawn
             self._drop_stale(now, dropped)
             return batch, dropped
+        answer_by = now + self._seconds_per_item * min(limit, len(self._queue))  # answers due
         while self._queue and len(batch) < limit:
             item = self._queue.popleft()
-            if self._set_aside(item, now, dropped):
+            if self._set_aside(item, answer_by, dropped):
                 continue
             if item.future.set_running_or_notify_cancel():
                 batch.append(item)
@@ -242,17 +243,20 @@ class MicroBatcher(Generic[P, R]):
 
     def _drop_stale(self, now: float, dropped: list[tuple[WorkItem[P, R], Exception]]) -> None:
         """Remove the withdrawn and the expired from the queue; keep the rest in order."""
+        answer_by = now + self._seconds_per_item  # a batch of one, at the soonest
         self._queue = deque(item for item in self._queue
-                            if not self._set_aside(item, now, dropped))
+                            if not self._set_aside(item, answer_by, dropped))
 
-    def _set_aside(self, item: WorkItem[P, R], now: float,
+    def _set_aside(self, item: WorkItem[P, R], answer_by: float,
                    dropped: list[tuple[WorkItem[P, R], Exception]]) -> bool:
         """The one rule for a queued item that must not run: withdrawn (just counted), or
-        past its deadline (counted, and added to ``dropped`` to fail outside the lock)."""
+        unable to have its answer by its deadline (counted, and added to ``dropped`` to fail
+        outside the lock). The deadline promises when the answer arrives, so an item whose
+        batch would finish after it is not started."""
         if item.future.cancelled():
             self.stats.cancelled += 1
             return True
-        if now > item.deadline:
+        if answer_by > item.deadline:
             self.stats.expired += 1
             dropped.append((item, self._expired_error()))
             return True

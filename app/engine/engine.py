@@ -107,6 +107,13 @@ class InferenceEngine:
             raise NotReady(self.not_ready_message(), retry_after=5)
         return self.runtime
 
+    def require_unpaused(self) -> None:
+        """Paused (503) while an admin has paused the appliance; the route checks it before
+        reading an upload, so cached answers stop too."""
+        if self.paused:
+            raise Paused("vramguard is paused. Resume it from the tray or with "
+                         "POST /v1/admin/resume.", retry_after=30)
+
     async def start(self) -> None:
         """Load the model and run warmup on the device thread; record any failure."""
         self.batcher.start()
@@ -135,9 +142,7 @@ class InferenceEngine:
         """Queue one preprocessed image for at most ``timeout_s``; raises Overloaded /
         DeadlineExceeded when busy, Paused while paused."""
         self.require_runtime()
-        if self.paused:
-            raise Paused("vramguard is paused. Resume it from the tray or with "
-                         "POST /v1/admin/resume.", retry_after=30)
+        self.require_unpaused()
         self._last_activity = time.monotonic()
         outcome = await self.batcher.infer(sample, timeout_s)
         if isinstance(outcome, InsufficientMemory):

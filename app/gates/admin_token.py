@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import logging
 import os
 import secrets
 import tempfile
@@ -18,19 +19,23 @@ from fastapi import Request
 
 from app.errors import Unauthorized
 
+log = logging.getLogger("vramguard.gates")
+
 
 def load_or_create_token(path: Path) -> str:
-    """Read the token, creating it (mode 0600) on first use or when the file is empty.
+    """Read the token, creating it (mode 0600) on first use or when the file is empty."""
+    return _read(path) or _create(path, secrets.token_urlsafe(32))
+
+
+def _create(path: Path, token: str) -> str:
+    """Write ``token`` to ``path`` unless another process has just written one; return the
+    token the file holds.
 
     The new file appears whole: it is written under a temporary name, then linked into
     place, so no reader ever sees an empty token file from a creator that crashed or has
     not written yet.
     """
-    existing = _read(path)
-    if existing:
-        return existing
     path.parent.mkdir(parents=True, exist_ok=True)
-    token = secrets.token_urlsafe(32)
     fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=".admin-token-")  # mode 0600
     try:
         with os.fdopen(fd, "w") as handle:
@@ -55,6 +60,35 @@ def _read(path: Path) -> str:
         return ""
 
 
+class AdminToken:
+    """The admin token as its file says now. The tray and scripts read the file, so the
+    server follows it: a changed file is re-read, and a file deleted while vramguard runs
+    is written back with the current token, so nobody is locked out until a restart."""
+
+    def __init__(self, path: Path, token: str) -> None:
+        self.path = path
+        self._token = token
+        self._seen = self._identity()
+
+    def _identity(self) -> tuple[int, int, int] | None:
+        try:
+            info = self.path.stat()
+        except OSError:
+            return None
+        return info.st_ino, info.st_mtime_ns, info.st_size
+
+    def current(self) -> str:
+        seen = self._identity()
+        if seen != self._seen:
+            try:
+                self._token = _read(self.path) or _create(self.path, self._token)
+            except OSError:
+                log.warning("cannot read or write the admin token file %s; keeping the "
+                            "token vramguard started with", self.path)
+            self._seen = self._identity()
+        return self._token
+
+
 def check_bearer(header: str | None, token: str) -> None:
     """Constant-time comparison; a missing or wrong token is 401."""
     scheme, _, given = (header or "").partition(" ")
@@ -71,4 +105,4 @@ def require_admin(request: Request) -> None:
     scheme, _, given = header.partition(" ")
     if scheme.lower() == "bearer" and request.app.state.vg.ui_sessions.valid(given.strip()):
         return
-    check_bearer(header, request.app.state.vg.admin_token)
+    check_bearer(header, request.app.state.vg.admin_token.current())

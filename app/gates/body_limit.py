@@ -1,23 +1,37 @@
-"""ASGI middleware that bounds request bodies: each one, and all of them together.
+"""ASGI middleware that bounds request bodies: each one, all of them together, each
+client's, and how long one may stall.
 
-A declared ``Content-Length`` over the limit is answered with 413 before a
-byte of the body is read; a chunked or lying body is cut off as soon as the
-bytes received pass the limit. The bytes of all bodies being received or
-held by requests in progress are capped too: past the cap, new uploads get
-503 with ``Retry-After`` before they are read, so a flood of uploads cannot
-fill memory. Refused bodies are read through and dropped chunk by chunk (never
-held) so the client gets the answer instead of a reset connection. (One event
-loop runs this: no lock is needed.)
+Bytes are charged as they arrive, never as declared: a client that declares a large
+body and sends nothing holds nothing, so idle sockets cannot block other uploads. The
+bytes received by requests still in progress are capped in total and per client (the
+rate limiter's client); a chunk that would pass a cap gets the upload 503 with
+``Retry-After``. A declared ``Content-Length`` over the size limit gets 413 before a
+byte is read; a chunked or lying body is cut off as soon as it passes the limit. A body
+that makes no progress for ``read_timeout_s`` gets 408 and its connection is closed.
+Requests without a body pass untouched (a GET that waits for its client to hang up must
+not time out).
+
+A refused body is read through and dropped chunk by chunk (never held) before the
+answer, so that the client reads the answer instead of a reset connection; if it
+stalls meanwhile, the answer closes the connection. (One event loop runs this: no lock
+is needed.)
 """
 
 from __future__ import annotations
 
+import asyncio
+from contextlib import suppress
+
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.errors import ApiError, Overloaded, PayloadTooLarge
+from app.errors import Overloaded, PayloadTooLarge, RequestTimeout
+from app.gates import refuse
+from app.gates.rate_limit import client_key
+from app.stats import RequestStats
 from app.units import human_bytes
 
 DRAIN_FACTOR = 4  # refused bodies up to 4x the size limit are read through, not reset
+CLOSE = (b"connection", b"close")
 
 
 def too_large(limit: int) -> PayloadTooLarge:
@@ -30,19 +44,14 @@ def too_many_uploads() -> Overloaded:
                       retry_after=1)
 
 
-async def refuse(error: ApiError, scope: Scope, receive: Receive, send: Send,
-                 declared: int, drain_limit: int) -> None:
-    """Answer ``error`` without keeping the body: read it through and drop each chunk.
+def too_many_from_client() -> Overloaded:
+    return Overloaded("This program is sending too many images at once. Wait for its "
+                      "earlier uploads to finish, then try again.", retry_after=1)
 
-    Answering while the client is still sending makes the server close the
-    connection, and the client sees a reset instead of the answer.
-    """
-    if declared <= drain_limit:
-        while True:
-            message = await receive()
-            if message["type"] != "http.request" or not message.get("more_body", False):
-                break
-    await error.response()(scope, receive, send)
+
+def stalled(timeout_s: float) -> RequestTimeout:
+    return RequestTimeout(f"The upload stopped arriving: nothing came for {timeout_s:g} "
+                          "seconds. Check the connection and send the image again.")
 
 
 def declared_length(scope: Scope) -> int:
@@ -55,47 +64,122 @@ def declared_length(scope: Scope) -> int:
     return 0
 
 
-class BodySizeLimit:
-    """413 for a body over ``max_bytes``; 503 when all bodies in flight would pass
-    ``max_inflight_bytes``."""
+def has_body(scope: Scope) -> bool:
+    """A request has a body only with a Content-Length above 0 or a Transfer-Encoding
+    (HTTP/1.1); any other is left alone."""
+    return declared_length(scope) > 0 or any(name == b"transfer-encoding"
+                                             for name, _ in scope["headers"])
 
-    def __init__(self, app: ASGIApp, max_bytes: int, max_inflight_bytes: int) -> None:
+
+class BodySizeLimit:
+    """413 for a body over ``max_bytes``; 503 when the bytes received by requests in
+    progress would pass ``max_inflight_bytes``, or ``max_client_bytes`` for one client;
+    408 when a body stalls for ``read_timeout_s``. Its own refusals are counted in
+    ``stats``; those raised while a route reads the body are the app's to answer."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, max_inflight_bytes: int,
+                 max_client_bytes: int, read_timeout_s: float, stats: RequestStats) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.max_inflight_bytes = max_inflight_bytes
+        self.max_client_bytes = max_client_bytes
+        self.read_timeout_s = read_timeout_s
+        self.stats = stats
         self.inflight = 0
+        self.by_client: dict[str, int] = {}  # only clients holding bytes now
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or not has_body(scope):
             await self.app(scope, receive, send)
             return
         declared = declared_length(scope)
-        drain_limit = DRAIN_FACTOR * self.max_bytes
+        upload = Upload(self, client_key(scope), receive, send)
         if declared > self.max_bytes:
-            await refuse(too_large(self.max_bytes), scope, receive, send, declared, drain_limit)
+            if declared <= DRAIN_FACTOR * self.max_bytes:
+                await upload.drain()
+            await refuse(too_large(self.max_bytes), self.stats, scope, receive, upload.send)
             return
-        if declared and self.inflight + declared > self.max_inflight_bytes:
-            await refuse(too_many_uploads(), scope, receive, send, declared, drain_limit)
-            return
-        held = declared
-        self.inflight += held
-        received = 0
-
-        async def limited() -> Message:
-            nonlocal received, held
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise too_large(self.max_bytes)
-                if received > held:  # no or a too small Content-Length: count as it comes
-                    if self.inflight + received - held > self.max_inflight_bytes:
-                        raise too_many_uploads()
-                    self.inflight += received - held
-                    held = received
-            return message
-
         try:
-            await self.app(scope, limited, send)
+            await self.app(scope, upload.receive, upload.send)
         finally:
-            self.inflight -= held
+            self.release(upload)
+
+    def charge(self, upload: Upload, size: int) -> Overloaded | None:
+        """Count ``size`` more bytes held by ``upload``, or say which cap it would pass."""
+        if self.inflight + size > self.max_inflight_bytes:
+            return too_many_uploads()
+        held = self.by_client.get(upload.client, 0)
+        if held + size > self.max_client_bytes:
+            return too_many_from_client()
+        self.inflight += size
+        self.by_client[upload.client] = held + size
+        upload.charged += size
+        return None
+
+    def release(self, upload: Upload) -> None:
+        """Give back what ``upload`` held: its request has ended (answered, failed or
+        cancelled), so nothing holds its bytes any more."""
+        if not upload.charged:
+            return
+        self.inflight -= upload.charged
+        left = self.by_client[upload.client] - upload.charged
+        if left:
+            self.by_client[upload.client] = left
+        else:
+            del self.by_client[upload.client]
+
+
+class Upload:
+    """One request's body as it arrives: each chunk charged to the totals, each wait for
+    the next chunk timed, and ``Connection: close`` on the answer if the body stalled."""
+
+    def __init__(self, gate: BodySizeLimit, client: str, receive: Receive, send: Send) -> None:
+        self.gate = gate
+        self.client = client
+        self._receive = receive
+        self._send = send
+        self.received = 0  # body bytes so far, kept or dropped
+        self.charged = 0  # of those, the ones passed on, held until the request ends
+        self.ended = False  # the last chunk (or a disconnect) has come
+        self.stalled = False
+
+    async def _next(self) -> Message:
+        """The next message; RequestTimeout if the body makes no progress in time. Once the
+        body has ended only a disconnect can come, and waiting for it is not a stall."""
+        if self.ended:
+            return await self._receive()
+        try:
+            async with asyncio.timeout(self.gate.read_timeout_s):
+                message = await self._receive()
+        except TimeoutError:
+            self.stalled = True
+            raise stalled(self.gate.read_timeout_s) from None
+        if message["type"] == "http.request":
+            self.received += len(message.get("body", b""))
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            self.ended = True
+        return message
+
+    async def receive(self) -> Message:
+        """What the app reads: the body, cut off past the size limit, refused past a cap."""
+        message = await self._next()
+        if self.received > self.gate.max_bytes:
+            raise too_large(self.gate.max_bytes)
+        size = len(message.get("body", b""))
+        refusal = self.gate.charge(self, size) if size else None
+        if refusal is not None:
+            await self.drain()
+            raise refusal
+        return message
+
+    async def drain(self) -> None:
+        """Read the rest of the body and drop it, up to DRAIN_FACTOR times the size limit;
+        a stall ends it (the answer then closes the connection)."""
+        with suppress(RequestTimeout):
+            while not self.ended and self.received <= DRAIN_FACTOR * self.gate.max_bytes:
+                await self._next()
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start" and self.stalled:
+            message = {**message, "headers": [*message.get("headers", []), CLOSE]}
+        await self._send(message)

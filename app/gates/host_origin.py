@@ -19,6 +19,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.config import LOOPBACK_HOSTS
 from app.errors import ApiError
+from app.gates import refuse
+from app.stats import RequestStats
 
 
 class Forbidden(ApiError):
@@ -52,11 +54,13 @@ def split_host(value: str) -> tuple[str, int | None] | None:
 
 
 class HostOriginGate:
-    """403 for a Host that is not ours or an Origin that is not allowed."""
+    """403 for a Host that is not ours or an Origin that is not allowed; each refusal is
+    counted in ``stats``."""
 
     def __init__(self, app: ASGIApp, port: int, extra_hosts: list[str],
-                 allowed_origins: list[str]) -> None:
+                 allowed_origins: list[str], stats: RequestStats) -> None:
         self.app = app
+        self.stats = stats
         self.port = port
         self.names = {*LOOPBACK_HOSTS, *(h.lower() for h in extra_hosts)}
         self.origins = {o.rstrip("/").lower() for o in allowed_origins}
@@ -92,4 +96,4 @@ class HostOriginGate:
         else:
             await self.app(scope, receive, send)
             return
-        await error.response()(scope, receive, send)
+        await refuse(error, self.stats, scope, receive, send)

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import ApiError
+from app.gates import refuse
+from app.stats import RequestStats
 
 _CLIENT_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _EPSILON = 1e-9  # float refill arithmetic must not deny a token that is due
@@ -162,11 +164,13 @@ def client_key(scope: Scope) -> str:
 
 
 class RateLimitMiddleware:
-    """ASGI middleware: 429 before anything else is done for a request over its rate."""
+    """ASGI middleware: 429 before anything else is done for a request over its rate; each
+    refusal is counted in ``stats``."""
 
-    def __init__(self, app: ASGIApp, limiter: RateLimiter) -> None:
+    def __init__(self, app: ASGIApp, limiter: RateLimiter, stats: RequestStats) -> None:
         self.app = app
         self.limiter = limiter
+        self.stats = stats
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -179,7 +183,7 @@ class RateLimitMiddleware:
                                 "Retry-After, then send again.",
                                 retry_after=decision.retry_after, limit=decision.limit,
                                 reset=decision.reset)
-            await error.response()(scope, receive, send)
+            await refuse(error, self.stats, scope, receive, send)
             return
         if not decision.limit:
             await self.app(scope, receive, send)

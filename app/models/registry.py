@@ -8,12 +8,15 @@ weights file.
 from __future__ import annotations
 
 import hashlib
+import logging
 from pathlib import Path
 
 import torch
 
 from app.models import efficientnet_lite, torchvision_models
 from app.models.types import LoadedModel, ModelLoadError
+
+log = logging.getLogger("vramguard.models")
 
 DEFAULT_MODEL = "efficientnet_lite0"
 
@@ -53,8 +56,11 @@ def load_model(name: str, device: torch.device, weights: Path | None = None) -> 
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise ModelLoadError(f"The weights file {path} could not be read ({exc}). "
-                             "It may be damaged: download it again.") from None
+        log.warning("torch could not load %s: %s", path, exc)
+        advice = ("Reinstall vramguard to restore it." if name == DEFAULT_MODEL else
+                  "Download it again, or pass another file with --weights.")
+        raise ModelLoadError(f"The weights file {path} is damaged or incomplete, so the "
+                             f"model cannot start. {advice}") from None
     module, preprocessing = family.build(name, state)
     module.to(device).eval()
     return LoadedModel(

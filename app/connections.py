@@ -1,0 +1,224 @@
+"""Limits on connections that uvicorn does not have: a cap on open connections answered
+with the usual JSON 503, a deadline for receiving each request head (a silent or
+slowloris connection is closed), and the open-files limit raised at start.
+
+uvicorn closes an idle connection only after a response (its keep-alive timer), never a
+fresh one that sends nothing or a head that trickles in; its own ``limit_concurrency``
+answers in plain text without Retry-After, and only once a request head has arrived.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import socket
+import sys
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from app.errors import Overloaded
+from app.stats import RequestStats
+
+log = logging.getLogger("vramguard.connections")
+RETRY_AFTER_S = 1  # most connections end within a second, the rest by the timeouts
+LINGER_S = 0.5  # how long a refused connection may take to read its answer and hang up
+FILES_RESERVE = 64  # file handles kept for the log, the cache, the model, refusals…
+FILES_RESERVE_SHARE = 4  # …or a quarter of the limit, whichever is more
+MIN_CONNECTIONS = 8
+NO_RLIMIT_TARGET = 65536  # when the hard limit is "unlimited", ask for this many
+# accept() failures after which asyncio pauses accepting for a second
+OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    max_connections: int
+    header_timeout_s: float
+
+
+def raise_open_files_limit() -> tuple[int, int] | None:
+    """Raise the soft open-files limit to the hard one: every connection holds a file
+    handle, and the soft limit is often low (1024 on Linux, 256 on macOS). Return the
+    soft limit (before, after); None where there is no such limit (Windows)."""
+    if sys.platform == "win32":
+        return None
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = NO_RLIMIT_TARGET if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as exc:  # macOS caps it below "unlimited"
+            log.info("cannot raise the open-files limit from %d to %d: %s", soft, target, exc)
+    return soft, resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def connection_cap(wanted: int, open_files: int | None) -> int:
+    """`wanted`, or fewer when the open-files limit would run out first: accept() failing
+    for lack of file handles leaves a client hanging, while the cap answers it."""
+    if open_files is None:
+        return wanted
+    reserve = max(FILES_RESERVE, open_files // FILES_RESERVE_SHARE)
+    return min(wanted, max(MIN_CONNECTIONS, open_files - reserve))
+
+
+def connection_limits(max_connections: int, header_timeout_s: float) -> ConnectionLimits:
+    """At start: raise the open-files limit, fit the cap under it, and say so in the log."""
+    raised = raise_open_files_limit()
+    open_files = raised[1] if raised else None
+    if raised and raised[1] > raised[0]:
+        log.info("open-files limit raised from %d to %d", *raised)
+    cap = connection_cap(max_connections, open_files)
+    if cap < max_connections:
+        log.warning("the open-files limit (%s) leaves room for %d connections at once, not "
+                    "max_connections=%d; raise it ('ulimit -n') to allow more", open_files,
+                    cap, max_connections)
+    return ConnectionLimits(cap, header_timeout_s)
+
+
+class _Listener(socket.socket):
+    """A listening socket whose accept(), right after failing for lack of file handles,
+    once says "nothing to accept". asyncio (3.11) does not stop after that failure: it
+    calls accept() again up to `backlog` times in the same round, logging each failure
+    and scheduling one more retry for each, which snowballed to 294,136 errors in 15 s.
+    Stopped here, a round logs one error and asyncio retries a second later."""
+
+    _out_of_resources = False
+
+    def accept(self) -> tuple[socket.socket, Any]:
+        if self._out_of_resources:
+            self._out_of_resources = False
+            raise BlockingIOError(errno.EAGAIN, "out of file handles; retried in a moment")
+        try:
+            connection, address = super().accept()
+        except OSError as exc:
+            self._out_of_resources = exc.errno in OUT_OF_RESOURCES
+            raise
+        # asyncio turns Nagle's algorithm off only for sockets made with proto=IPPROTO_TCP,
+        # which create_server's are not; left on, every small answer waits for the
+        # client's delayed ACK (40 ms on Linux).
+        connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return connection, address
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The socket to give uvicorn (``sockets=``), bound to `host`:`port`."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    bound = socket.create_server((host, port), family=family)
+    log.info("listening on http://%s:%d", f"[{host}]" if ":" in host else host, port)
+    return _Listener(bound.family, bound.type, bound.proto, fileno=bound.detach())
+
+
+def overloaded_response() -> bytes:
+    """A whole HTTP/1.1 503 with the API's JSON error body, written before any request is
+    read: a client over the cap gets the same answer as any other overload."""
+    response = Overloaded("vramguard has too many connections open right now. Try again "
+                          "in a moment; if this keeps happening, a program on this computer "
+                          "may be opening connections without closing them.",
+                          retry_after=RETRY_AFTER_S).response()
+    head = [b"HTTP/1.1 503 Service Unavailable",
+            *(name + b": " + value for name, value in response.raw_headers),
+            b"connection: close"]
+    return b"\r\n".join(head) + b"\r\n\r\n" + response.body
+
+
+class _Refusal(asyncio.Protocol):
+    """A connection over the cap: answer at once, stop writing, then read and drop what
+    the client still sends until it hangs up (closing with unread data would reset the
+    connection and could destroy the answer before the client reads it), at most
+    LINGER_S."""
+
+    def __init__(self, answer: bytes) -> None:
+        self.answer = answer
+        self.timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        transport.write(self.answer)
+        if transport.can_write_eof():
+            transport.write_eof()
+        self.timer = asyncio.get_running_loop().call_later(LINGER_S, transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        pass  # the request is not needed: the answer is already sent
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol plus the cap and the request-head deadline. Make one
+    with `guarded_protocol`; uvicorn's keep-alive timer is still the idle timeout."""
+
+    limits: ClassVar[ConnectionLimits]
+    stats: ClassVar[RequestStats]
+    answer_overloaded: ClassVar[bytes]
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        if len(self.connections) >= self.limits.max_connections:
+            log.warning("refused a connection: %d are open, the most allowed at once "
+                        "(max_connections)", len(self.connections))
+            self.stats.count(Overloaded.code)
+            refusal = _Refusal(self.answer_overloaded)
+            transport.set_protocol(refusal)
+            refusal.connection_made(transport)
+            return
+        super().connection_made(transport)
+        self._watch_head()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._watch_head()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._watch_head()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_head_timer()
+        super().connection_lost(exc)
+
+    def _watch_head(self) -> None:
+        """Run the head deadline while the connection waits for a request head and
+        uvicorn's keep-alive timer is not counting: from the connection's start, or from
+        the first byte after a response. It is a total: bytes that trickle in do not
+        restart it. A request handed to the app stops it."""
+        waiting = ((self.cycle is None or self.cycle.response_complete)
+                   and self.timeout_keep_alive_task is None
+                   and not self.transport.is_closing())
+        if not waiting:
+            self._stop_head_timer()
+        elif self._head_timer is None:
+            self._head_timer = self.loop.call_later(self.limits.header_timeout_s,
+                                                    self._head_timed_out)
+
+    def _stop_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        log.debug("closed a connection that sent no complete request head in %s s",
+                  self.limits.header_timeout_s)
+        self.transport.close()
+
+
+def guarded_protocol(limits: ConnectionLimits,
+                     stats: RequestStats) -> type[GuardedH11Protocol]:
+    """The protocol class to give uvicorn (``http=``), holding these limits; refusals
+    are counted in `stats` (/v1/stats) like any other 503."""
+
+    class Guarded(GuardedH11Protocol):
+        pass
+
+    Guarded.limits = limits
+    Guarded.stats = stats
+    Guarded.answer_overloaded = overloaded_response()
+    return Guarded
