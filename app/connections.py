@@ -160,7 +160,7 @@ class GuardedH11Protocol(H11Protocol):
     answer_overloaded: ClassVar[bytes]
     _head_timer: asyncio.TimerHandle | None = None
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # as uvicorn's own
         if len(self.connections) >= self.limits.max_connections:
             log.warning("refused a connection: %d are open, the most allowed at once "
                         "(max_connections)", len(self.connections))

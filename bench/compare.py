@@ -35,12 +35,13 @@ def _worktree(ref: str, folder: Path) -> None:
 
 
 def _serve(stack: ExitStack, name: str, cwd: Path, work: Path, env: dict[str, str],
-           naive: bool = False) -> tuple[str, int]:
+           batch_size: int | None, naive: bool = False) -> tuple[str, int]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     command = ([sys.executable, "-m", "bench.naive_server", "--port", str(port)] if naive else
                [sys.executable, "-m", "app", "serve", "--log-level", "warning", "--no-cache",
-                "--port", str(port)])
+                "--port", str(port),
+                *(["--batch-size", str(batch_size)] if batch_size else [])])
     process = stack.enter_context(running(command, f"{url}/readyz", work / f"{name}.log",
                                           {**env, "VRAMGUARD_CACHE_DIR": str(work / name)},
                                           cwd=cwd))
@@ -55,6 +56,10 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=24.0,
                         help="per server and level, split over the rounds")
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=4,
+                        help="pinned for both commits (0: warmup's choice): three servers "
+                        "warming up side by side pick from noisy timings, and the pick "
+                        "moves throughput more than most changes do")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="vramguard-compare-"))
     base_tree = work / "base"
@@ -65,9 +70,9 @@ def main() -> int:
     print(f"machine: {machine()}", flush=True)
     try:
         with ExitStack() as stack:
-            servers = {"old": _serve(stack, "old", base_tree, work, env),
-                       "new": _serve(stack, "new", ROOT, work, env),
-                       "naive": _serve(stack, "naive", ROOT, work, env, naive=True)}
+            servers = {"old": _serve(stack, "old", base_tree, work, env, args.batch_size),
+                       "new": _serve(stack, "new", ROOT, work, env, args.batch_size),
+                       "naive": _serve(stack, "naive", ROOT, work, env, None, naive=True)}
             for url, pid in servers.values():  # one-off costs: allocator growth, lazy imports
                 asyncio.run(run_load(url, body, 2, 2.0, pid))
             pooled: dict[tuple[int, str], LoadResult] = {}
@@ -89,7 +94,8 @@ def main() -> int:
     lines = [f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
              f"machine: {machine()}",
              f"base: {args.base}; {args.seconds:.0f} s per server and level in {args.rounds} "
-             "interleaved rounds (order alternating); cache off",
+             "interleaved rounds (order alternating); cache off; batch size "
+             f"{args.batch_size or 'chosen by warmup'}",
              "", "| c | server | req/s | p50 ms | p99 ms | errors | peak PSS MiB |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for (level, name), r in pooled.items():
