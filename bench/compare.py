@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import subprocess
 import sys
 import tempfile
@@ -23,7 +22,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from bench.loadgen import LoadResult, run_load
-from bench.process import ROOT, free_port, running
+from bench.process import ROOT, free_port, running, server_env
 from bench.run import IMAGE, machine
 
 KEEP = 0.95  # the new tree must keep this share of the old commit's ratio to naive
@@ -64,7 +63,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="vramguard-compare-"))
     base_tree = work / "base"
     _worktree(args.base, base_tree)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VRAMGUARD_")}
+    env = server_env()
     env["VRAMGUARD_RATE_LIMIT"] = "0"
     body = IMAGE.read_bytes()
     print(f"machine: {machine()}", flush=True)

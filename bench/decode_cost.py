@@ -33,7 +33,7 @@ from PIL import Image
 from app.decode_pool import DecodeLimits, DecodePool
 from app.imaging import Preprocessing, open_image
 from app.pixels import model_input
-from bench.process import ROOT, free_port, running
+from bench.process import ROOT, free_port, running, server_env
 
 sys.path.insert(0, str(ROOT / "tests"))
 import images  # the tests' generators of crafted files
@@ -147,7 +147,7 @@ def through_a_server(crafted: dict[str, bytes]) -> list[str]:
     work = Path(tempfile.mkdtemp(prefix="vramguard-decode-"))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VRAMGUARD_")}
+    env = server_env()
     env.update(VRAMGUARD_RATE_LIMIT="0", VRAMGUARD_CACHE_DIR=str(work / "cache"))
     serve = [sys.executable, "-m", "app", "serve", "--port", str(port), "--no-cache",
              "--log-level", "warning"]

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import io
-import os
 import statistics
 import sys
 import tempfile
@@ -27,11 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
-import psutil
 from PIL import Image
 
 from bench.loadgen import run_load
-from bench.process import ROOT, free_port, running
+from bench.process import ROOT, free_port, process_tree, running, server_env
 from bench.run import machine
 
 RETRY_S = 0.2
@@ -68,12 +66,7 @@ class Overload:
 
 
 def _tree_cpu(pid: int) -> float:
-    process = psutil.Process(pid)
-    total = 0.0
-    for member in (process, *process.children(recursive=True)):
-        times = member.cpu_times()
-        total += times.user + times.system
-    return total
+    return sum(m.cpu_times().user + m.cpu_times().system for m in process_tree(pid))
 
 
 async def overload(url: str, body: bytes, clients: int, seconds: float,
@@ -130,7 +123,7 @@ def main() -> int:
     args = parser.parse_args()
     body = large_photo()
     work = Path(tempfile.mkdtemp(prefix="vramguard-goodput-"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VRAMGUARD_")}
+    env = server_env()
     env["VRAMGUARD_CACHE_DIR"] = str(work / "cache")
     print(f"machine: {machine()}", flush=True)
     rows = []

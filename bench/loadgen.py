@@ -16,6 +16,8 @@ from urllib.parse import urlsplit
 import aiohttp
 import psutil
 
+from bench.process import process_tree
+
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
 
 
@@ -55,9 +57,8 @@ class LoadResult:
 
 def tree_pss(pid: int) -> int:
     """PSS of a process and all its children (USS where the system has no PSS)."""
-    process = psutil.Process(pid)
     total = 0
-    for member in (process, *process.children(recursive=True)):
+    for member in process_tree(pid):
         info = member.memory_full_info()
         total += getattr(info, "pss", info.uss)
     return total

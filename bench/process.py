@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -11,8 +12,22 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def server_env(**extra: str) -> dict[str, str]:
+    """This environment without the caller's own VRAMGUARD_ settings, plus ``extra``: a
+    benchmarked server runs on its defaults and the options it is given."""
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("VRAMGUARD_")}
+    return {**inherited, **extra}
+
+
+def process_tree(pid: int) -> list[psutil.Process]:
+    """A server and every process it started (decode workers): what it costs in total."""
+    process = psutil.Process(pid)
+    return [process, *process.children(recursive=True)]
 
 
 def free_port() -> int:

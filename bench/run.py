@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import platform
 import sys
 import tempfile
@@ -29,7 +28,7 @@ import torch
 from app.models import DEFAULT_MODEL, load_model
 from bench.loadgen import LoadResult, run_load
 from bench.offline import offline_limit
-from bench.process import ROOT, free_port, running
+from bench.process import ROOT, free_port, running, server_env
 
 IMAGE = ROOT / "tests" / "data" / "coffee.jpg"
 
@@ -107,7 +106,7 @@ def main() -> int:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="vramguard-bench-"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VRAMGUARD_")}
+    env = server_env()
     env["VRAMGUARD_CACHE_DIR"] = str(work / "cache")
     env["VRAMGUARD_RATE_LIMIT"] = "0"  # capacity is measured here, not the per-client limit
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import os
 import sys
 import tempfile
 import time
@@ -23,10 +22,9 @@ from collections import Counter
 from pathlib import Path
 
 import aiohttp
-import psutil
 
 from bench.loadgen import tree_pss
-from bench.process import ROOT, free_port, running
+from bench.process import ROOT, free_port, process_tree, running, server_env
 from bench.run import machine
 
 sys.path.insert(0, str(ROOT / "tests"))
@@ -43,8 +41,7 @@ def inputs() -> list[tuple[str, bytes]]:
 
 
 def open_files(pid: int) -> int:
-    process = psutil.Process(pid)
-    return sum(member.num_fds() for member in (process, *process.children(recursive=True)))
+    return sum(member.num_fds() for member in process_tree(pid))
 
 
 async def soak(url: str, pid: int, seconds: float, concurrency: int, settle_s: float) -> int:
@@ -104,7 +101,7 @@ def main() -> int:
     parser.add_argument("--settle-minutes", type=float, default=5.0)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="vramguard-soak-"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VRAMGUARD_")}
+    env = server_env()
     env |= {"VRAMGUARD_CACHE_DIR": str(work / "cache"), "VRAMGUARD_RATE_LIMIT": "0"}
     port = free_port()
     url = f"http://127.0.0.1:{port}"
