@@ -4,58 +4,214 @@ Desktop apps re-scan the same folders often. The key is the SHA-256 of the
 image bytes plus the model name and its weights fingerprint; the value is the
 full ranking, so one entry answers any later ``top_k``. Size-bounded; the
 oldest entries are evicted first.
+
+Nothing read back from the folder is trusted, because any program that can write
+there can put anything in it. A value is plain bytes in vramguard's own format
+(``MAGIC``, the class indices as little-endian int32, the scores as float32),
+always kept inside the database, and is read back only in that form: diskcache's
+pickling is never reached (``_BytesOnlyDisk``). An entry in any other form,
+damaged, foreign, or written with pickle by an older vramguard, is a miss, logged
+once, and replaced when its image is classified again. The folder is private
+(0700): its keys tell which images were classified.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
+import os
+import re
 import sqlite3
+import stat
+import threading
 from pathlib import Path
 
 import diskcache
 import numpy as np
+from diskcache.core import MODE_RAW
 
 from app.engine.predictor import Ranked
+from app.user_files import reason
 
 log = logging.getLogger("vramguard.cache")
-STORE_ERRORS = (OSError, sqlite3.Error)  # a full disk, a damaged or locked database
+# A full disk, a damaged or locked database.
+STORE_ERRORS = (OSError, sqlite3.Error, diskcache.Timeout)
+MAGIC = b"VGR1"  # format 1 of a stored ranking
+DATABASE_FILES = ("cache.db", "cache.db-wal", "cache.db-shm")
+# Where diskcache's stock Disk writes value files (older vramguards' large pickles).
+_VALUE_FILE = re.compile(r"[0-9a-f]{2}[/\\][0-9a-f]{2}[/\\][0-9a-f]{28}\.val")
 
 
 def cache_key(data: bytes, model: str, weights_version: str) -> str:
     return f"{model}:{weights_version}:{hashlib.sha256(data).hexdigest()}"
 
 
+class UnusableEntry(ValueError):
+    """An entry that is not a ranking in vramguard's format: foreign, older or damaged."""
+
+
+def encode(ranked: Ranked) -> bytes:
+    return (MAGIC + ranked.indices.astype("<i4").tobytes()
+            + ranked.scores.astype("<f4").tobytes())
+
+
+def decode(stored: bytes) -> Ranked:
+    """The ranking in ``stored``, checked to be a full one (every class once, finite
+    scores) so that a planted entry cannot make the route fail on an odd class or score."""
+    body = stored[len(MAGIC):]
+    if not stored.startswith(MAGIC) or not body or len(body) % 8:
+        raise UnusableEntry("not a ranking in vramguard's format")
+    count = len(body) // 8
+    indices = np.frombuffer(body, "<i4", count)
+    scores = np.frombuffer(body, "<f4", count, offset=4 * count)
+    if not np.array_equal(np.sort(indices), np.arange(count)):
+        raise UnusableEntry("a ranking that does not list every class once")
+    if not np.isfinite(scores).all():
+        raise UnusableEntry("a ranking with scores that are not numbers")
+    return Ranked(indices, scores)
+
+
+class _BytesOnlyDisk(diskcache.Disk):  # type: ignore[misc]  # diskcache ships no types
+    """diskcache's storage reduced to str keys and bytes values inside the database.
+
+    The stock Disk unpickles any key or value whose stored mode says pickle, and opens,
+    and on eviction deletes, whatever file path an entry names: both are refused here.
+    """
+
+    def __init__(self, directory: str, **_settings: object) -> None:
+        # The disk_* settings come from the folder's database: none of them is wanted.
+        super().__init__(directory)
+
+    def put(self, key: object) -> tuple[str, bool]:
+        if type(key) is not str:
+            raise TypeError("result cache keys are str")
+        return key, True
+
+    def get(self, key: object, raw: bool) -> str:
+        if raw and type(key) is str:
+            return key
+        raise UnusableEntry("a key that vramguard did not write")
+
+    def store(self, value: object, read: bool, key: object = None
+              ) -> tuple[int, int, None, memoryview]:
+        if read or type(value) is not bytes:
+            raise TypeError("result cache values are bytes")
+        return 0, MODE_RAW, None, sqlite3.Binary(value)
+
+    def fetch(self, mode: object, filename: object, value: object, read: bool) -> bytes:
+        if mode != MODE_RAW or filename is not None or read or type(value) is not bytes:
+            raise UnusableEntry("an entry in another format: damaged, foreign or older")
+        return value
+
+    def remove(self, file_path: object) -> None:
+        if isinstance(file_path, str) and _VALUE_FILE.fullmatch(file_path):
+            super().remove(file_path)
+
+
+def _private_folder(directory: Path) -> None:
+    """Create ``directory`` 0700, or make it so: the keys tell which images were seen.
+    A folder of another user is refused, since that user could write anything there."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if os.name != "posix":
+        return  # a folder in the user's profile is private by its ACL
+    info = directory.stat()
+    if info.st_uid != os.geteuid():
+        raise PermissionError(errno.EPERM, "it belongs to another user", str(directory))
+    if stat.S_IMODE(info.st_mode) & 0o077:
+        directory.chmod(0o700)
+
+
 class ResultCache:
-    """Thread-safe; call it from the CPU pool, never from the event loop (disk I/O)."""
+    """Thread-safe; call it from the CPU pool, never from the event loop (disk I/O).
+
+    Never fails a request: whatever goes wrong with the folder makes a miss, or a result
+    not kept, with one warning per kind of problem (then debug lines)."""
 
     def __init__(self, directory: Path, size_limit: int) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
-        self._cache = diskcache.Cache(str(directory), size_limit=size_limit)
+        self._directory = directory
+        self._size_limit = size_limit
+        self._lock = threading.Lock()
+        self._reported: set[str] = set()
+        self._cache = self._open()
+
+    def _open_store(self) -> diskcache.Cache:
+        _private_folder(self._directory)
+        # Every setting given, so none is taken from the folder's own Settings table.
+        settings = {**diskcache.DEFAULT_SETTINGS, "size_limit": self._size_limit}
+        return diskcache.Cache(str(self._directory), disk=_BytesOnlyDisk, **settings)
+
+    def _open(self) -> diskcache.Cache | None:
+        """The store; started afresh once if its database is damaged; None (no cache)
+        when the folder cannot be used."""
+        try:
+            return self._open_store()
+        except (OSError, sqlite3.OperationalError, diskcache.Timeout) as exc:
+            self._give_up(exc)
+            return None
+        except Exception as exc:  # any way a damaged or foreign database fails to open
+            log.warning("the result cache in %s is damaged (%s); starting it afresh",
+                        self._directory, str(exc))
+        try:
+            for name in DATABASE_FILES:
+                (self._directory / name).unlink(missing_ok=True)
+            return self._open_store()
+        except Exception as exc:
+            self._give_up(exc)
+            return None
+
+    def _give_up(self, exc: Exception) -> None:
+        why = reason(exc) if isinstance(exc, OSError) else str(exc)
+        log.warning("cannot use the result cache in %s: %s (or set cache_dir). Running "
+                    "without the result cache for now.", self._directory, why)
+
+    def _once(self, problem: str, message: str, *args: object) -> None:
+        """Log ``message`` as a warning the first time ``problem`` occurs, then as debug:
+        one bad entry or a full disk would otherwise log on every request. Pass errors as
+        text: a kept record must not hold their tracebacks, and with them the database."""
+        with self._lock:
+            first = problem not in self._reported
+            self._reported.add(problem)
+        log.log(logging.WARNING if first else logging.DEBUG, message, *args)
 
     def get(self, key: str) -> Ranked | None:
-        """The cached ranking, or None; a cache that cannot be read is a miss, not an
-        error: the model can still answer."""
+        """The cached ranking, or None; a cache that cannot be read, or an entry that
+        cannot be used, is a miss, not an error: the model can still answer."""
+        if self._cache is None:
+            return None
         try:
-            value = self._cache.get(key)
+            stored = self._cache.get(key)
+            return None if stored is None else decode(stored)
         except STORE_ERRORS as exc:
-            log.warning("the result cache cannot be read (%s); computing the answer", exc)
-            return None
-        if value is None:
-            return None
-        indices, scores = value
-        return Ranked(np.frombuffer(indices, dtype=np.int32), np.frombuffer(scores, np.float32))
+            self._once("read", "the result cache cannot be read (%s); computing the answers",
+                       str(exc))
+        except Exception as exc:  # diskcache trusts its folder; see the module docstring
+            self._once("entry", "some entries in the result cache in %s could not be used "
+                       "(%s); they are ignored and replaced as their images come again",
+                       self._directory, str(exc))
+        return None
 
     def put(self, key: str, ranked: Ranked) -> None:
-        value = (ranked.indices.astype(np.int32).tobytes(),
-                 ranked.scores.astype(np.float32).tobytes())
+        """Keep ``ranked``; when it cannot be kept the answer still goes out, uncached."""
+        if self._cache is None:
+            return
         try:
-            self._cache.set(key, value)
-        except STORE_ERRORS as exc:  # the answer still goes out; only the cache misses it
-            log.warning("the result cache cannot be written (%s); is the disk full?", exc)
+            self._cache.set(key, encode(ranked))
+        except STORE_ERRORS as exc:
+            self._once("write", "the result cache cannot be written (%s); is the disk full? "
+                       "Answers are not cached until there is space", str(exc))
+        except Exception as exc:  # a damaged or foreign database
+            self._once("damaged", "the result cache in %s cannot keep answers (%s); delete "
+                       "that folder to start it afresh", self._directory, str(exc))
 
     def __len__(self) -> int:
-        return len(self._cache)
+        if self._cache is None:
+            return 0
+        try:
+            return len(self._cache)
+        except Exception:  # a count that cannot be read is shown as empty, not an error
+            return 0
 
     def close(self) -> None:
-        self._cache.close()
+        if self._cache is not None:
+            self._cache.close()

@@ -12,6 +12,7 @@ import re
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import platformdirs
 from pydantic import ByteSize, Field, ValidationError, field_validator, model_validator
@@ -154,7 +155,7 @@ class Settings(BaseSettings):
                                      "localhost and [::1]).")
     cors_origins: list[str] = Field(default_factory=list, description="Web page origins "
                                     "allowed to call the API (e.g. http://localhost:3000); "
-                                    "none by default.")
+                                    "none by default. Not '*' or 'null'.")
     rate_limit: bool = Field(True, description="Limit how fast each client may send requests.")
     classify_burst: int = Field(100, ge=1, description="Classify requests a client may send "
                                 "at once.")
@@ -168,8 +169,19 @@ class Settings(BaseSettings):
                                 "health) a client may send at once.")
     read_per_s: float = Field(30.0, gt=0, description="Read-only requests per second per "
                               "client.")
+    global_read_burst: int = Field(480, ge=1, description="Read-only requests all clients "
+                                   "together may send at once (/healthz, /readyz, "
+                                   "/v1/events and callers with the admin token are not "
+                                   "counted).")
+    global_read_per_s: float = Field(120.0, gt=0, description="Read-only requests per "
+                                     "second for all clients together.")
     admin_burst: int = Field(10, ge=1, description="Admin requests a client may send at once.")
     admin_per_s: float = Field(1.0, gt=0, description="Admin requests per second per client.")
+    global_admin_burst: int = Field(30, ge=1, description="Admin requests without a valid "
+                                    "admin token that all clients together may send at once "
+                                    "(callers with the token are not counted).")
+    global_admin_per_s: float = Field(3.0, gt=0, description="Admin requests without a "
+                                      "valid admin token per second for all clients together.")
     token_file: Path = Field(default_factory=default_token_file, description="File holding "
                              "the admin token (created at first start, owner-only).")
 
@@ -187,6 +199,22 @@ class Settings(BaseSettings):
         value = value.strip().lower()
         if value not in {"debug", "info", "warning", "error"}:
             raise ValueError("must be debug, info, warning or error")
+        return value
+
+    @field_validator("cors_origins")
+    @classmethod
+    def _check_cors_origins(cls, value: list[str]) -> list[str]:
+        for origin in value:
+            if origin.strip() in {"*", "null"}:
+                raise ValueError(f"'{origin.strip()}' would let every web page use "
+                                 "vramguard; list each page's origin instead, such as "
+                                 "http://localhost:3000")
+            parts = urlsplit(origin.strip())
+            extra = parts.path.strip("/") or parts.query or parts.fragment
+            if parts.scheme not in {"http", "https"} or not parts.netloc or extra:
+                raise ValueError(f"'{origin}' is not a web page origin: write the scheme, "
+                                 "the name and the port only, such as "
+                                 "http://localhost:3000")
         return value
 
     @model_validator(mode="after")

@@ -15,7 +15,7 @@ import logging
 import socket
 import sys
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -151,9 +151,49 @@ class _Refusal(asyncio.Protocol):
             self.timer.cancel()
 
 
+class _OnePacket:
+    """The connection's transport as uvicorn sees it: what is written in one turn of the
+    event loop leaves together at its end. With Nagle's algorithm off, every write is its
+    own packet and wake-up for the client, and a response's head and body are two writes
+    (a sixth of the CPU a refusal costs went to the second one)."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._held: list[bytes] = []
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if not data:
+            return
+        if not self._held:
+            self._loop.call_soon(self.flush)
+        self._held.append(bytes(data))
+
+    def flush(self) -> None:
+        held, self._held = self._held, []
+        if held and not self._transport.is_closing():
+            self._transport.write(b"".join(held))
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def write_eof(self) -> None:
+        self.flush()
+        self._transport.write_eof()
+
+    def abort(self) -> None:
+        self._held = []
+        self._transport.abort()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
 class GuardedH11Protocol(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol plus the cap and the request-head deadline. Make one
-    with `guarded_protocol`; uvicorn's keep-alive timer is still the idle timeout."""
+    """uvicorn's HTTP/1.1 protocol plus the cap, the request-head deadline and one packet
+    per response. Make one with `guarded_protocol`; uvicorn's keep-alive timer is still
+    the idle timeout."""
 
     limits: ClassVar[ConnectionLimits]
     stats: ClassVar[RequestStats]
@@ -170,6 +210,7 @@ class GuardedH11Protocol(H11Protocol):
             refusal.connection_made(transport)
             return
         super().connection_made(transport)
+        self.transport = cast(asyncio.Transport, _OnePacket(transport, self.loop))
         self._watch_head()
 
     def data_received(self, data: bytes) -> None:

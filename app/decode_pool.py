@@ -41,6 +41,9 @@ MIB = 1024**2
 # Beyond an image's own predicted peak, what a worker's address space may grow by: the
 # bytes as they arrive through the pipe, and room for fragmentation.
 _SLACK_BYTES = 64 * MIB
+# Reserved before each image is sent, so that an ordinary photo (a 12-megapixel JPEG
+# decoded at a reduced scale peaks at a few MiB) needs no second round trip to ask.
+PREGRANT_BYTES = 32 * MIB
 _CRASHED = ("vramguard's image decoder crashed while reading this file, which is probably "
             "damaged. Other images are not affected; try another copy of this one.")
 
@@ -220,8 +223,14 @@ class DecodePool:
     def _run(self, worker: Worker, data: bytes, spec: Preprocessing,
              deadline: float) -> bytes:
         used_before = worker.cpu_seconds()
-        worker.send((data, self.limits.max_pixels, spec))
-        kind, value = self._answer(worker, used_before, deadline)
+        granted = min(PREGRANT_BYTES, self.limits.max_image_bytes)
+        if not self.budget.reserve(granted):
+            granted = 0  # the budget is busy: this image asks for its own peak
+        try:
+            worker.send((data, self.limits.max_pixels, spec, granted))
+            kind, value = self._answer(worker, used_before, deadline)
+        finally:
+            self.budget.release(granted)
         if kind == "plan":
             peak = int(value)
             refusal = self._refusal(peak)

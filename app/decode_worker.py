@@ -7,10 +7,12 @@ not import torch (measured: 1.3 s of CPU and 660 MiB per worker), numpy (110 ms,
 18 MiB) or the web stack.
 
 The conversation, one image at a time, over a multiprocessing Pipe:
-``(data, max_pixels, spec)`` -> ``("plan", peak_bytes)`` -> ``True`` (go) or ``False``
-(refused) -> ``("done", the model's crop as RGB bytes)``. Any step may answer
-``("error", ApiError)`` for a bad image or ``("failed", text)`` for a bug, and ``None``
-ends the worker.
+``(data, max_pixels, spec, granted_bytes)`` -> ``("plan", peak_bytes)`` -> ``True`` (go)
+or ``False`` (refused) -> ``("done", the model's crop as RGB bytes)``. An image whose
+predicted peak fits in ``granted_bytes`` (reserved by the server beforehand, enough for
+an ordinary photo) skips the plan and its answer: one round trip instead of two. Any step
+may answer ``("error", ApiError)`` for a bad image or ``("failed", text)`` for a bug, and
+``None`` ends the worker.
 """
 
 from __future__ import annotations
@@ -41,16 +43,18 @@ def serve(conn: Connection, memory_allowance: int | None) -> None:
             return
 
 
-def _handle(conn: Connection, data: bytes, max_pixels: int, spec: Preprocessing) -> None:
+def _handle(conn: Connection, data: bytes, max_pixels: int, spec: Preprocessing,
+            granted_bytes: int) -> None:
     """One image; its bytes and pixels are freed when this returns, before the next."""
     try:
         opened = open_image(data, max_pixels, spec.resize)
     except Exception as error:
         conn.send(_failure(error))
         return
-    conn.send(("plan", opened.peak_bytes))
-    if not conn.recv():
-        return
+    if opened.peak_bytes > granted_bytes:
+        conn.send(("plan", opened.peak_bytes))
+        if not conn.recv():
+            return
     answer: tuple[str, object]
     try:
         answer = ("done", model_patch(opened, spec))

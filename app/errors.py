@@ -108,6 +108,12 @@ class Unauthorized(ApiError):
         return {"WWW-Authenticate": "Bearer"}
 
 
+class AdminTokenRequired(ApiError):
+    """A dashboard session asked for an action only the admin token may take."""
+
+    status, code = 403, "forbidden"
+
+
 class Conflict(ApiError):
     status, code = 409, "conflict"
 

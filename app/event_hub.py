@@ -4,6 +4,12 @@ The memory monitor publishes a sample every second and a ``state`` event when
 the memory state changes. Each subscriber has a small bounded buffer; one
 that falls behind is dropped (its stream ends and it may reconnect), so a slow
 client can never make the server hold more memory.
+
+A slot is taken by ``subscribe``, synchronously in the request's handler, and
+not when the stream first runs: otherwise many requests arriving together all
+pass the check before any of them subscribes (40 at once all got streams, and
+the dashboard then got none). One client (the rate limiter's: its address plus
+``X-Client-Id``) may hold ``MAX_STREAMS_PER_CLIENT`` of them.
 """
 
 from __future__ import annotations
@@ -15,10 +21,23 @@ from dataclasses import dataclass, field
 
 BUFFER = 16
 MAX_SUBSCRIBERS = 32
+# The tray needs one stream and each dashboard tab one; a browser's tabs share one client.
+# Four leaves room for a few tabs and a reconnect that overlaps the stream it replaces,
+# while a client that does not name itself holds at most an eighth of the slots.
+MAX_STREAMS_PER_CLIENT = 4
+
+
+class NoRoom(Exception):
+    """No stream slot is free: for anyone (``per_client`` False) or for this client."""
+
+    def __init__(self, per_client: bool) -> None:
+        super().__init__("per client" if per_client else "all")
+        self.per_client = per_client
 
 
 @dataclass(eq=False)
 class Subscriber:
+    client: str = ""
     queue: asyncio.Queue[str | None] = field(default_factory=lambda: asyncio.Queue(BUFFER))
     dropped: bool = False
 
@@ -26,15 +45,34 @@ class Subscriber:
 class EventHub:
     """Publish from the event loop; each subscriber reads its own bounded queue."""
 
-    def __init__(self, max_subscribers: int = MAX_SUBSCRIBERS) -> None:
+    def __init__(self, max_subscribers: int = MAX_SUBSCRIBERS,
+                 max_per_client: int = MAX_STREAMS_PER_CLIENT) -> None:
         self.max_subscribers = max_subscribers
+        self.max_per_client = max_per_client
         self.subscribers: set[Subscriber] = set()
         self.dropped = 0
         self.closed = False
         self._latest: dict[str, str] = {}  # the last message of each event kind
 
-    def full(self) -> bool:
-        return len(self.subscribers) >= self.max_subscribers
+    def subscribe(self, client: str = "") -> Subscriber:
+        """Take a slot for ``client`` now, or raise NoRoom. Synchronous, so nothing else
+        runs between the check and the taking. After ``close`` the subscriber is not
+        added: its stream ends at once."""
+        subscriber = Subscriber(client)
+        if self.closed:
+            return subscriber
+        if len(self.subscribers) >= self.max_subscribers:
+            raise NoRoom(per_client=False)
+        if sum(s.client == client for s in self.subscribers) >= self.max_per_client:
+            raise NoRoom(per_client=True)
+        for latest in self._latest.values():  # a new reader can draw at once
+            subscriber.queue.put_nowait(latest)
+        self.subscribers.add(subscriber)
+        return subscriber
+
+    def release(self, subscriber: Subscriber) -> None:
+        """Give the slot back (idempotent): the stream ended, or never started."""
+        self.subscribers.discard(subscriber)
 
     def publish(self, event: str, data: dict[str, object]) -> None:
         message = f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
@@ -71,17 +109,14 @@ class EventHub:
         for subscriber in list(self.subscribers):
             self._end(subscriber)
 
-    async def stream(self) -> AsyncIterator[str]:
-        """One client's event stream; ends if the client falls too far behind."""
-        if self.closed:
-            return
-        subscriber = Subscriber()
-        for latest in self._latest.values():  # a new reader can draw at once
-            subscriber.queue.put_nowait(latest)
-        self.subscribers.add(subscriber)
+    async def stream(self, subscriber: Subscriber) -> AsyncIterator[str]:
+        """The event stream of a subscriber from ``subscribe``; ends if it falls too far
+        behind, and gives its slot back when it ends."""
         try:
+            if self.closed:
+                return
             yield "retry: 2000\n\n"
             while (message := await subscriber.queue.get()) is not None:
                 yield message
         finally:
-            self.subscribers.discard(subscriber)
+            self.release(subscriber)

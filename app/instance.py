@@ -4,17 +4,28 @@ A second launch (a double-click on the shortcut while vramguard runs, say) finds
 lock taken and reads who holds it, instead of failing on a busy port after seconds of
 model loading. The lock dies with its process, so a crash never leaves a stale lock;
 the JSON beside it only says who holds it.
+
+The files live in a private folder (0700) beside the token file and are never opened
+through a link, so no other user can read them, plant a description, or make vramguard
+write through a link into a file of theirs. Every PID is recorded with its process's
+start time: `vramguard stop` signals a process only while both still match, never a
+later process that was given a reused PID.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+
+import psutil
+
+from app.user_files import NO_FOLLOW, private_folder
 
 if sys.platform == "win32":
     import msvcrt
@@ -23,6 +34,10 @@ else:
 
 
 PROBE_RETRIES = 4
+START_TOLERANCE_S = 1.0
+"""Start times are read from the wall clock (boot time + ticks since boot); a small step
+of the clock between writing and checking must not make vramguard a stranger. A reused
+PID belongs to a process started long after the one recorded."""
 
 
 @dataclass(frozen=True)
@@ -33,22 +48,57 @@ class RunningInstance:
     port: int
     url: str
     launcher_pid: int | None = None  # the `vramguard run` (tray) that started this server
+    started: float | None = None  # create_time of `pid`
+    launcher_started: float | None = None  # create_time of `launcher_pid`
+
+
+def instance_folder(token_file: Path) -> Path:
+    """The private folder of the instance files (and the dashboard's launch pages)."""
+    return token_file.parent / "run"
 
 
 def _paths(folder: Path, port: int) -> tuple[Path, Path]:
     return folder / f"instance-{port}.lock", folder / f"instance-{port}.json"
 
 
-def _try_lock(handle: IO[Any]) -> bool:
+def _open_lock(path: Path, create: bool) -> int:
+    flags = os.O_RDWR | NO_FOLLOW | (os.O_CREAT if create else 0)
+    return os.open(path, flags, 0o600)
+
+
+def _try_lock(fd: int) -> bool:
     try:
         if sys.platform == "win32":
-            handle.seek(0)
-            msvcrt.locking(handle.fileno(), msvcrt.LK_NBLCK, 1)
+            os.lseek(fd, 0, os.SEEK_SET)
+            msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
         else:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         return False
     return True
+
+
+def start_time(pid: int) -> float | None:
+    """When process ``pid`` started (seconds since the epoch), or None when there is none."""
+    try:
+        return float(psutil.Process(pid).create_time())
+    except psutil.Error:
+        return None
+
+
+def same_process(pid: int | None, started: float | None) -> psutil.Process | None:
+    """The live process ``pid`` if it is the one that started at ``started``; None when it
+    has ended, or its PID now belongs to another process, or no start time was recorded
+    (then nobody can tell, and nothing may be signalled)."""
+    if not pid or started is None:
+        return None
+    try:
+        process = psutil.Process(pid)
+        if abs(process.create_time() - started) > START_TOLERANCE_S:
+            return None
+    except psutil.Error:
+        return None
+    return process
 
 
 class InstanceLock:
@@ -58,42 +108,79 @@ class InstanceLock:
         self.folder = folder
         self.port = port
         self.lock_path, self.info_path = _paths(folder, port)
-        self._handle: IO[Any] | None = None
+        self._fd: int | None = None
 
     def acquire(self, url: str, launcher_pid: int | None = None) -> bool:
         """Take the lock and record who we are; False if another process holds it."""
-        self.folder.mkdir(parents=True, exist_ok=True)
-        handle = open(self.lock_path, "a+")  # noqa: SIM115 - held until release()
+        private_folder(self.folder)
+        fd = _open_lock(self.lock_path, create=True)
         # A few tries: is_held() in another launch takes the lock for a moment to probe it.
         for _ in range(PROBE_RETRIES):
-            if _try_lock(handle):
+            if _try_lock(fd):
                 break
             time.sleep(0.05)
         else:
-            handle.close()
+            os.close(fd)
             return False
-        self._handle = handle
-        info = {"pid": os.getpid(), "port": self.port, "url": url,
-                "launcher_pid": launcher_pid}
-        temporary = self.info_path.with_suffix(".tmp")
-        temporary.write_text(json.dumps(info), encoding="utf-8")
-        os.replace(temporary, self.info_path)
+        self._fd = fd
+        try:
+            self._describe(url, launcher_pid)
+        except OSError:
+            self.release()
+            raise
         return True
 
+    def _describe(self, url: str, launcher_pid: int | None) -> None:
+        """Write who holds the lock: a new private file (mkstemp: O_EXCL, and O_NOFOLLOW
+        where the OS has it) renamed over the old one, which replaces a link rather than
+        writing through it."""
+        started = start_time(os.getpid())
+        launcher_started = start_time(launcher_pid) if launcher_pid else None
+        if launcher_started is not None and started is not None and \
+                launcher_started > started:
+            launcher_started = None  # started after us: not our launcher, a reused PID
+        info = {"pid": os.getpid(), "port": self.port, "url": url, "started": started,
+                "launcher_pid": launcher_pid, "launcher_started": launcher_started}
+        fd, temporary = tempfile.mkstemp(dir=self.folder, prefix=".instance-")  # 0600
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                json.dump(info, handle)
+            os.replace(temporary, self.info_path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temporary)
+
     def release(self) -> None:
-        if self._handle is not None:
+        if self._fd is not None:
             self.info_path.unlink(missing_ok=True)
-            self._handle.close()
-            self._handle = None
+            os.close(self._fd)
+            self._fd = None
 
 
 def is_held(folder: Path, port: int) -> bool:
     """Whether a live process holds the lock for this port (probed by trying to take it)."""
     lock_path, _ = _paths(folder, port)
-    if not lock_path.exists():
+    try:
+        fd = _open_lock(lock_path, create=False)
+    except OSError:  # none, or a link: nobody holds a lock there
         return False
-    with open(lock_path, "a+") as handle:
-        return not _try_lock(handle)
+    try:
+        return not _try_lock(fd)
+    finally:
+        os.close(fd)
+
+
+def _read_info(path: Path) -> dict[str, object]:
+    fd = os.open(path, os.O_RDONLY | NO_FOLLOW)
+    with os.fdopen(fd, encoding="utf-8") as handle:
+        info = json.load(handle)
+    if not isinstance(info, dict):
+        raise ValueError("not a description")
+    return info
+
+
+def _number(value: object) -> float | None:
+    return float(value) if isinstance(value, int | float) and value else None
 
 
 def running_instance(folder: Path, port: int) -> RunningInstance | None:
@@ -102,12 +189,15 @@ def running_instance(folder: Path, port: int) -> RunningInstance | None:
         return None
     _, info_path = _paths(folder, port)
     try:
-        info = json.loads(info_path.read_text(encoding="utf-8"))
-        launcher = info.get("launcher_pid")
-        return RunningInstance(int(info["pid"]), int(info["port"]), str(info["url"]),
-                               int(launcher) if launcher else None)
+        info = _read_info(info_path)
+        launcher = _number(info.get("launcher_pid"))
+        return RunningInstance(int(_number(info["pid"]) or 0), port, str(info["url"]),
+                               int(launcher) if launcher else None,
+                               _number(info.get("started")),
+                               _number(info.get("launcher_started")))
     except (OSError, ValueError, KeyError, TypeError):
-        # Held but not yet described (the holder is between lock and write).
+        # Held but not described (the holder is between lock and write), or described
+        # through a link: known only by its port, never signalled.
         return RunningInstance(0, port, f"http://127.0.0.1:{port}")
 
 

@@ -24,14 +24,17 @@ from app.config import LOOPBACK_HOSTS, Settings, default_config_file
 from app.instance import (
     InstanceLock,
     RunningInstance,
+    instance_folder,
     is_held,
     running_instance,
     running_instances,
+    same_process,
 )
 
 SHUTDOWN_MARGIN_S = 5  # after the last deadline: decoding and a batch still running
 STARTUP_FAILURE = 3  # uvicorn's own exit status when the server could not start
 STOP_GRACE_S = 10  # after the stop request is answered, or for a tray to follow its server
+STARTING_WAIT_S = 15  # a second launch waits this long for a server still starting
 
 
 def _url(settings: Settings) -> str:
@@ -40,7 +43,7 @@ def _url(settings: Settings) -> str:
 
 
 def _already_running(settings: Settings) -> RunningInstance | None:
-    instance = running_instance(settings.token_file.parent, settings.port)
+    instance = running_instance(instance_folder(settings.token_file), settings.port)
     if instance is not None:
         pid = f" (process {instance.pid})" if instance.pid else ""
         print(f"vramguard is already running at {instance.url}{pid}; nothing else to start. "
@@ -99,12 +102,12 @@ def serve(settings: Settings, launched_by: int | None = None) -> int:
         print(f"vramguard: {warning}", file=sys.stderr)
     if not files.cache_ok:
         settings = settings.model_copy(update={"cache": False})
-    lock = InstanceLock(settings.token_file.parent, settings.port)
+    lock = InstanceLock(instance_folder(settings.token_file), settings.port)
     try:
         acquired = lock.acquire(_url(settings), launched_by)
     except OSError as exc:
-        print(f"vramguard: cannot write in {settings.token_file.parent}: {reason(exc)}. Then "
-              "start vramguard again.", file=sys.stderr)
+        print(f"vramguard: cannot write in {lock.folder}: {reason(exc)}. Then start "
+              "vramguard again.", file=sys.stderr)
         return 1
     if not acquired:
         if _already_running(settings) is None:
@@ -136,9 +139,14 @@ def serve(settings: Settings, launched_by: int | None = None) -> int:
     # A graceful shutdown lets every queued request reach its own deadline (an answer,
     # if only a 503) before uvicorn cancels what is left: cancelled requests get a 500.
     graceful_s = int(settings.request_timeout_s + SHUTDOWN_MARGIN_S)
+    # No proxy headers: nothing sits in front of vramguard, and honouring X-Forwarded-For
+    # from 127.0.0.1 would let any local program pick the address its rate limit counts.
+    # One access-log line per request only when debugging: a flood would otherwise write
+    # thousands a second and rotate the useful log away (/v1/stats counts them instead).
     config = uvicorn.Config(app, host=settings.host, port=settings.port, workers=1,
                             log_level=settings.log_level, timeout_graceful_shutdown=graceful_s,
-                            timeout_keep_alive=settings.idle_timeout_s,
+                            timeout_keep_alive=settings.idle_timeout_s, proxy_headers=False,
+                            access_log=settings.log_level == "debug",
                             http=guarded_protocol(limits, app.state.vg.stats), log_config=None)
     server = _Server(config, on_exit=app.state.vg.events.close)
     try:
@@ -181,19 +189,12 @@ def tray_command(settings: Settings, start_server: bool, argv: list[str] | None)
         return 1
     import subprocess
 
-    from tray.client import ApiClient, ServerDown
+    from tray.client import ApiClient
     from tray.controller import TrayController
 
     url = _url(settings)
     if start_server and _already_running(settings):
-        import webbrowser
-
-        with ApiClient(url, settings.token_file) as client:
-            try:  # a second double-click on the shortcut shows the running one
-                webbrowser.open(client.dashboard_link())
-            except (ServerDown, RuntimeError):
-                webbrowser.open(f"{url}/ui")
-        return 0
+        return _show_dashboard(settings, url)  # a second double-click on the shortcut
     server_args = [*(argv or sys.argv[1:])]
     if start_server:  # the child gets the same options, as `serve`
         server_args[server_args.index("run")] = "serve"
@@ -211,47 +212,97 @@ def tray_command(settings: Settings, start_server: bool, argv: list[str] | None)
     return 0
 
 
-def _wait_gone(pid: int | None, timeout_s: float) -> bool:
-    """Wait for a process to end (its files stay open until it does: on Windows, the
-    installer cannot replace them before)."""
-    if not pid:
+def _show_dashboard(settings: Settings, url: str) -> int:
+    """Open the running server's dashboard (waiting a little for one still starting);
+    nothing is opened, and nothing sent, when another program answers on the port."""
+    from tray.client import ApiClient, NotVramguard, ServerDown
+    from tray.dashboard import DashboardOpener
+
+    deadline = time.monotonic() + STARTING_WAIT_S
+    with ApiClient(url, settings.token_file) as client:
+        opener = DashboardOpener(client, instance_folder(settings.token_file))
+        while True:
+            try:
+                opener.open()
+                return 0
+            except ServerDown as exc:
+                if time.monotonic() >= deadline:
+                    problem = f"vramguard on port {settings.port} does not answer ({exc})."
+                    break
+                time.sleep(0.5)
+            except (NotVramguard, RuntimeError) as exc:
+                problem = str(exc)
+                break
+    print(f"vramguard: could not open the dashboard. {problem}", file=sys.stderr)
+    return 1
+
+
+def _gone(process: psutil.Process | None) -> bool:
+    """Whether a process has ended (a zombie has: only its parent's bookkeeping is left);
+    True for None, a process nobody could name."""
+    if process is None:
         return True
+    try:  # is_running() is False as well once the PID belongs to another process
+        return not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _wait(done: Callable[[], bool], timeout_s: float) -> bool:
+    """Wait for ``done()`` (a process's files stay open until it has ended: on Windows,
+    the installer cannot replace them before)."""
     deadline = time.monotonic() + timeout_s
-    while True:
-        try:  # a zombie has ended; only its parent's bookkeeping is left
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
+    while not done():
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.1)
+    return True
+
+
+def _end(process: psutil.Process | None, done: Callable[[], bool]) -> None:
+    """Terminate a process (TerminateProcess on Windows) that is still the one recorded;
+    psutil checks the start time again right before it signals."""
+    if process is None:
+        return
+    with contextlib.suppress(psutil.Error):
+        process.terminate()
+    _wait(done, STOP_GRACE_S)
 
 
 def _stop_one(instance: RunningInstance, folder: Path, token_file: Path,
               timeout_s: float) -> bool:
     """Ask the server to finish its queue and exit; end it (and its tray) if they will
-    not. True when both are gone."""
-    from tray.client import ApiClient, ServerDown
+    not. True when both are gone. Only processes whose PID and start time both match
+    what was recorded are ever signalled: never a PID the system has given to another."""
+    from tray.client import ApiClient, NotVramguard, ServerDown
 
+    server = same_process(instance.pid, instance.started)
+    launcher = same_process(instance.launcher_pid, instance.launcher_started)
     try:
         with ApiClient(instance.url, token_file) as client:
             client.shutdown()
+    except NotVramguard as exc:
+        ending = " Ending vramguard's own process instead." if server else ""
+        print(f"vramguard: {exc}{ending}", file=sys.stderr)
+        timeout_s = 0
     except (ServerDown, RuntimeError) as exc:
         print(f"vramguard on port {instance.port} did not take the stop request ({exc}); "
               "ending it.", file=sys.stderr)
         timeout_s = 0
-    for pid, grace_s in ((instance.pid, timeout_s), (instance.launcher_pid, STOP_GRACE_S)):
-        if not _wait_gone(pid, grace_s) and pid:
-            os.kill(pid, signal.SIGTERM)  # TerminateProcess on Windows
-            _wait_gone(pid, STOP_GRACE_S)
-    return not is_held(folder, instance.port) and all(
-        _wait_gone(pid, 0) for pid in (instance.pid, instance.launcher_pid))
+
+    def server_done() -> bool:
+        return _gone(server) and not is_held(folder, instance.port)
+
+    if not _wait(server_done, timeout_s):
+        _end(server, server_done)
+    if not _wait(lambda: _gone(launcher), STOP_GRACE_S):
+        _end(launcher, lambda: _gone(launcher))
+    return server_done() and _gone(launcher)
 
 
 def stop(settings: Settings, port: int | None, timeout_s: float) -> int:
     """`vramguard stop`: every running server of this user, or the one on `port`."""
-    folder = settings.token_file.parent
+    folder = instance_folder(settings.token_file)
     targets = [instance for instance in running_instances(folder)
                if port is None or instance.port == port]
     if not targets:

@@ -53,6 +53,11 @@ class ErrorResponse(BaseModel):
     error: ErrorBody
 
 
+class IdentityProof(BaseModel):
+    proof: str = Field(description="HMAC-SHA256 of the nonce followed by the server's port "
+                       "(two bytes, big-endian), keyed with the admin token, in hex.")
+
+
 class StatsResponse(BaseModel):
     uptime_s: float
     phase: str

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -22,8 +22,9 @@ from app.config import Settings
 from app.cpu_pool import CpuPool
 from app.decode_pool import DecodeLimits, DecodePool
 from app.engine.engine import InferenceEngine
+from app.errors import Unauthorized
 from app.event_hub import EventHub
-from app.gates.admin_token import AdminToken, load_or_create_token
+from app.gates.admin_token import AdminToken, check_bearer, load_or_create_token
 from app.gates.body_limit import BodySizeLimit
 from app.gates.host_origin import HostOriginGate
 from app.gates.rate_limit import Rate, RateLimiter, RateLimitMiddleware
@@ -104,7 +105,26 @@ def make_limiter(settings: Settings) -> RateLimiter:
         per_client={"classify": Rate(settings.classify_burst, settings.classify_per_s),
                     "read": Rate(settings.read_burst, settings.read_per_s),
                     "admin": Rate(settings.admin_burst, settings.admin_per_s)},
-        global_rates={"classify": Rate(settings.global_burst, settings.global_per_s)})
+        global_rates={"classify": Rate(settings.global_burst, settings.global_per_s),
+                      "read": Rate(settings.global_read_burst, settings.global_read_per_s),
+                      "admin": Rate(settings.global_admin_burst, settings.global_admin_per_s)})
+
+
+def admin_caller(state: AppState) -> Callable[[str], bool]:
+    """Whether an Authorization header holds the admin token or a dashboard session: the
+    rate limiter gives such callers buckets of their own, before any route runs."""
+
+    def is_admin(header: str) -> bool:
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() == "bearer" and state.ui_sessions.valid(given.strip()):
+            return True
+        try:
+            check_bearer(header, state.admin_token.current())
+        except Unauthorized:
+            return False
+        return True
+
+    return is_admin
 
 
 def make_decoder(settings: Settings, workers: int) -> DecodePool:
@@ -144,7 +164,7 @@ def gates(settings: Settings, state: AppState) -> list[Middleware]:
     ]
     if settings.rate_limit:
         layers.append(Middleware(RateLimitMiddleware, limiter=state.limiter,
-                                 stats=state.stats))
+                                 stats=state.stats, is_admin=admin_caller(state)))
     if settings.cors_origins:
         layers.append(Middleware(CORSMiddleware, allow_origins=settings.cors_origins,
                                  allow_methods=["GET", "POST"],

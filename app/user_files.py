@@ -11,13 +11,49 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import stat
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.gates.admin_token import load_or_create_token
+from app.gates.admin_token import InsecureTokenFile, load_or_create_token
 
 PROBE_BYTES = 64 * 1024  # a small write that a full disk refuses
+NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0)  # POSIX; Windows has no such flag (nor the attack)
+
+
+class UnsafeFolder(OSError):
+    """A folder vramguard keeps private files in is a link, or belongs to another user."""
+
+
+def private_folder(folder: Path) -> Path:
+    """``folder``, created (mode 0700) or made owner-only, for files other users must not
+    read or plant (instance files, dashboard launch pages). A link in its place, or a
+    folder of another user, is refused rather than followed or used."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(folder, 0o700)
+    info = os.lstat(folder)
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        raise UnsafeFolder(f"{folder} is a link or a file, not a folder. Remove it: "
+                           "vramguard makes a new one")
+    if sys.platform != "win32":
+        if info.st_uid != os.geteuid():
+            raise UnsafeFolder(f"{folder} belongs to another user. Remove it: vramguard "
+                               "makes a new one")
+        if stat.S_IMODE(info.st_mode) != 0o700:
+            os.chmod(folder, 0o700)
+    return folder
+
+
+def create_private(path: Path, data: bytes) -> None:
+    """Write a new file only this user can read (0600), never through a link and never
+    over an existing file (O_EXCL)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NO_FOLLOW
+                 | getattr(os, "O_BINARY", 0), 0o600)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data)
 
 
 def reason(exc: OSError) -> str:
@@ -29,6 +65,9 @@ def reason(exc: OSError) -> str:
                 "yours, or remove it so vramguard can make a new one")
     if exc.errno == errno.EROFS:
         return "the disk is read-only"
+    if exc.errno == errno.ELOOP:
+        return ("a link is where vramguard keeps a private file (it never writes through "
+                "links there). Remove the link")
     return exc.strerror or str(exc)
 
 
@@ -67,6 +106,8 @@ def check_user_files(token_file: Path, log_dir: Path, cache_dir: Path | None) ->
     fatal = None
     try:
         token = load_or_create_token(token_file)
+    except InsecureTokenFile as exc:
+        fatal = f"{exc}. Then start vramguard again."
     except OSError as exc:
         fatal = (f"cannot read or create the admin token file {token_file}: {reason(exc)}. "
                  "Then start vramguard again.")

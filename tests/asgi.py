@@ -26,6 +26,7 @@ from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.config import Settings, load_settings
+from app.engine.batcher import Reservation
 from app.engine.engine import InferenceEngine, Phase, Runtime
 from app.engine.predictor import Prediction, Ranked, Sample
 from app.imaging import Preprocessing
@@ -74,7 +75,8 @@ class ReadyEngine(InferenceEngine):
         self.phase = Phase.READY
         self.samples: list[Sample] = []
 
-    async def classify(self, sample: Sample, timeout_s: float) -> Prediction:
+    async def classify(self, sample: Sample, timeout_s: float,
+                       reservation: Reservation | None = None) -> Prediction:
         self.samples.append(sample)
         order = np.arange(len(LABELS))[::-1].copy()
         scores = np.linspace(0.5, 0.05, len(LABELS), dtype=np.float32)

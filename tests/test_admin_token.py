@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import stat
+import sys
 from pathlib import Path
 
 import pytest
 
 from app.errors import Unauthorized
 from app.gates.admin_token import check_bearer, load_or_create_token
+from app.user_files import check_user_files
+from tray.client import ApiClient
 
 TOKEN = "s3cret-token"
 
@@ -68,3 +71,40 @@ def test_an_empty_token_file_never_lets_anyone_in(tmp_path: Path) -> None:
         check_bearer("Bearer  ", token)
     with pytest.raises(Unauthorized):
         check_bearer("Bearer  ", "")  # and an empty secret never matches anything
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX permissions")
+@pytest.mark.parametrize("mode", [0o640, 0o604, 0o644, 0o660])
+def test_a_token_other_users_can_read_is_refused_with_the_fix(tmp_path: Path, mode: int,
+                                                               capsys) -> None:
+    path = tmp_path / "admin-token"
+    load_or_create_token(path)
+    path.chmod(mode)
+    with pytest.raises(OSError) as info:
+        load_or_create_token(path)
+    assert f"chmod 600 {path}" in str(info.value)
+    files = check_user_files(path, tmp_path / "log", None)
+    assert files.token is None and files.fatal is not None
+    assert f"chmod 600 {path}" in files.fatal and "other users" in files.fatal
+    with ApiClient("http://127.0.0.1:9", path) as client, \
+            pytest.raises(RuntimeError, match="chmod 600"):
+        client.set_paused(True)  # refused before anything is sent anywhere
+    path.chmod(0o600)
+    assert load_or_create_token(path)
+
+
+def test_on_windows_the_token_must_be_in_the_users_own_profile(tmp_path: Path) -> None:
+    """Windows has no mode bits to read: a token file is private when it lies in the
+    user's own profile folder (whose access list only the user and the system share)."""
+    from app.gates.admin_token import token_file_problem
+
+    profile = tmp_path / "Users" / "ada"
+    inside = profile / "AppData" / "Local" / "vramguard" / "admin-token"
+    assert token_file_problem(inside, 0o666, windows=True, profile=profile) is None
+    for outside in (tmp_path / "Users" / "Public" / "admin-token",
+                    profile / ".." / "bob" / "admin-token", tmp_path / "shared" / "token"):
+        problem = token_file_problem(outside, 0o600, windows=True, profile=profile)
+        assert problem is not None and str(profile) in problem and "Move it" in problem
+    assert token_file_problem(inside, 0o600, windows=False, profile=profile) is None
+    assert "chmod 600" in (token_file_problem(inside, 0o644, windows=False,
+                                              profile=profile) or "")

@@ -313,3 +313,62 @@ def test_a_wait_longer_than_the_deadline_is_refused_at_once(make):
     assert batcher.submit("patient", timeout_s=10.0) is not None  # a longer deadline fits
     model.gate.set()
     assert [f.result(5) for f in accepted] == ["out:0", "out:1", "out:2"]
+
+
+def test_reserved_places_count_ahead_and_refuse_before_the_image_is_read(make):
+    model = FakeModel()
+    batcher = make(model, max_batch=1, queue_size=100)
+    batcher.set_service_rate(2.0)  # half a second per image
+    hold_busy(model, batcher)
+    # Admitted within 0.8 x 4 s = 3.2 s: the running one, then 0.5 s per reserved place.
+    places = [batcher.reserve(timeout_s=4.0) for _ in range(5)]  # answers due by 1.0 ... 3.0 s
+    assert batcher.predicted_wait() == pytest.approx(3.0)
+    with pytest.raises(Overloaded) as info:
+        batcher.reserve(timeout_s=4.0)  # due by 3.5 s: past the admission share
+    assert info.value.status == 503 and info.value.retry_after == pytest.approx(3.0)
+    with places[0]:
+        pass  # a request that never got to the queue gives its place back
+    assert batcher.reserved == 4 and batcher.reserve(timeout_s=4.0).held
+    model.gate.set()
+
+
+def test_a_reserved_place_becomes_a_queued_item_once(make):
+    model = FakeModel()
+    batcher = make(model, max_batch=1, queue_size=2)
+    blocker = hold_busy(model, batcher)
+    with batcher.reserve(timeout_s=30) as place, batcher.reserve(timeout_s=30):
+        with pytest.raises(Overloaded):  # two places kept: the queue is full
+            batcher.submit("unreserved", timeout_s=30)
+        queued = batcher.submit("reserved", timeout_s=30, reservation=place)
+        assert batcher.reserved == 1 and batcher.queue_depth == 1
+    assert batcher.reserved == 0  # leaving the block does not give the used place back twice
+    model.gate.set()
+    assert blocker.result(5) == "out:blocker" and queued.result(5) == "out:reserved"
+
+
+def test_the_service_rate_follows_what_batches_take(make, fake_clock):
+    class SlowModel(FakeModel):
+        def __call__(self, items: list[object]) -> list[object]:
+            fake_clock.advance(0.2 * len(items))  # 0.2 s per image, 4x warmup's promise
+            return super().__call__(items)
+
+    batcher = make(SlowModel(clock=fake_clock), max_batch=1, clock=fake_clock)
+    batcher.set_service_rate(20.0)  # warmup, measured alone: 0.05 s per image
+    for i in range(20):
+        assert batcher.submit(i, timeout_s=30).result(5) == f"out:{i}"
+    assert batcher.seconds_per_item == pytest.approx(0.2, rel=0.02)
+
+
+def test_one_stalled_batch_does_not_swing_the_service_rate(make, fake_clock):
+    took = iter([0.05] * 10 + [5.0] + [0.05] * 3)  # one batch stalls for 5 s
+
+    class StallingModel(FakeModel):
+        def __call__(self, items: list[object]) -> list[object]:
+            fake_clock.advance(next(took))
+            return super().__call__(items)
+
+    batcher = make(StallingModel(clock=fake_clock), max_batch=1, clock=fake_clock)
+    batcher.set_service_rate(20.0)
+    for i in range(14):
+        batcher.submit(i, timeout_s=30).result(5)
+    assert batcher.seconds_per_item == pytest.approx(0.05)

@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
-import numpy as np
+import contextlib
+import gc
+import logging
+import os
+import sqlite3
+import stat
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
 
-from app.cache import ResultCache, cache_key
+import diskcache
+import numpy as np
+import pytest
+from asgi import anyio_backend, built_app, client, make_settings, png  # noqa: F401  (a fixture)
+
+from app.cache import MAGIC, ResultCache, cache_key
 from app.engine.predictor import Ranked
 
 
@@ -41,3 +54,204 @@ def test_size_is_bounded(tmp_path):
     # each entry is 8 KiB of ranking: about 25 fit in 200 KiB
     assert 10 <= len(cache) <= 60
     assert cache.get(cache_key(b"399", "m", "v")) is not None  # the newest survive
+
+
+# --- what another program may have left in the cache folder ----------------------------------
+
+
+class Payload:
+    """A pickle that runs code when loaded: it creates ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return os.mkdir, (str(self.marker),)
+
+
+def plant(folder: Path, entries: dict[str, object]) -> None:
+    """Write ``entries`` into the cache folder as another program would: with diskcache's
+    default Disk, which pickles what is not bytes, str or a number (in the database, or in
+    a value file when large)."""
+    with diskcache.Cache(str(folder)) as foreign:
+        for key, planted in entries.items():
+            foreign.set(key, planted)
+
+
+def cache_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "vramguard.cache" and r.levelno >= logging.WARNING]
+
+
+def test_a_planted_pickle_is_never_loaded(tmp_path, caplog):
+    marker = tmp_path / "code-ran"
+    key, big = cache_key(b"image", "m", "v1"), cache_key(b"big", "m", "v1")
+    folder = tmp_path / "cache"
+    plant(folder, {key: Payload(marker),                        # in the database
+                   big: [Payload(marker), "x" * 100_000]})      # in a value file
+    assert list(folder.rglob("*.val"))
+    cache = ResultCache(folder, 10 * 1024**2)
+    assert cache.get(key) is None and cache.get(big) is None
+    assert not marker.exists(), "the cache unpickled what it read"
+    cache.put(key, ranked(1))  # the next answer replaces the planted entry
+    hit = cache.get(key)
+    assert hit is not None and np.array_equal(hit.scores, ranked(1).scores)
+    cache.close()
+    assert not marker.exists()
+    assert len(cache_warnings(caplog)) == 1
+
+
+@pytest.mark.anyio
+async def test_the_classify_route_misses_a_planted_pickle_and_a_damaged_entry(tmp_path, caplog):
+    marker = tmp_path / "code-ran"
+    pickled, damaged = png(8), png(9)
+    model = make_settings(tmp_path).model  # served by the stand-in engine's "stand-in" weights
+    plant(tmp_path / "cache", {cache_key(pickled, model, "stand-in"): Payload(marker),
+                               cache_key(damaged, model, "stand-in"): b"\x00garbage"})
+    flags = []
+    with built_app(tmp_path, ready=True, cache=True, rate_limit=False) as app:
+        async with client(app) as http:
+            for body in (pickled, damaged, pickled, damaged):
+                answer = await http.post("/v1/classify", files={"file": ("a.png", body)})
+                assert answer.status_code == 200, answer.text
+                flags.append(answer.json()["cached"])
+    assert not marker.exists(), "the cache unpickled what it read"
+    assert flags == [False, False, True, True]  # misses, then the fresh answers are kept
+    assert len(cache_warnings(caplog)) == 1
+
+
+def test_an_entry_naming_another_file_neither_reads_nor_deletes_it(tmp_path):
+    """diskcache opens, and on replacing the entry deletes, the file an entry names."""
+    victim = tmp_path / "someone's-file"
+    victim.write_bytes(b"precious")
+    key = cache_key(b"image", "m", "v1")
+    plant(tmp_path / "cache", {key: b"x" * 100_000})  # a value file
+    with sqlite3.connect(tmp_path / "cache" / "cache.db") as db:
+        db.execute("UPDATE Cache SET filename = ?", (str(victim),))
+    cache = ResultCache(tmp_path / "cache", 10 * 1024**2)
+    assert cache.get(key) is None
+    cache.put(key, ranked(1))
+    assert cache.get(key) is not None
+    cache.close()
+    assert victim.read_bytes() == b"precious"
+
+
+def header_and(indices: list[int], scores: list[float]) -> bytes:
+    """An entry in vramguard's own format with the given contents."""
+    return (MAGIC + np.asarray(indices, "<i4").tobytes() + np.asarray(scores, "<f4").tobytes())
+
+
+@pytest.mark.parametrize("stored", [
+    pytest.param(b"", id="empty"),
+    pytest.param(b"\x80\x04garbage", id="garbage-bytes"),
+    pytest.param("a string", id="text"),
+    pytest.param(12345, id="a-number"),
+    pytest.param(lambda: header_and([0, 1, 2], [0.5, 0.3]), id="lengths-differ"),
+    pytest.param(lambda: header_and([0, 1, 1], [0.5, 0.3, 0.2]), id="repeated-class"),
+    pytest.param(lambda: header_and([0, 1, 7], [0.5, 0.3, 0.2]), id="class-out-of-range"),
+    pytest.param(lambda: header_and([0, 1, 2], [0.5, float("nan"), 0.2]), id="not-a-number"),
+    pytest.param(lambda: MAGIC + b"\x01\x02\x03", id="truncated"),
+])
+def test_a_damaged_entry_is_a_miss_logged_once(tmp_path, caplog, stored):
+    stored = stored() if callable(stored) else stored
+    keys = [cache_key(str(i).encode(), "m", "v1") for i in range(3)]
+    plant(tmp_path, dict.fromkeys(keys, stored))
+    cache = ResultCache(tmp_path, 10 * 1024**2)
+    for key in keys * 2:
+        assert cache.get(key) is None
+    assert len(cache_warnings(caplog)) == 1
+    assert "could not be used" in cache_warnings(caplog)[0]
+
+
+def test_a_damaged_database_is_started_afresh(tmp_path, caplog):
+    (tmp_path / "cache.db").write_bytes(b"not a database" * 100)
+    cache = ResultCache(tmp_path, 10 * 1024**2)
+    key = cache_key(b"image", "m", "v1")
+    assert cache.get(key) is None
+    cache.put(key, ranked(1))
+    assert cache.get(key) is not None
+    cache.close()
+    assert len(cache_warnings(caplog)) == 1 and "starting it afresh" in cache_warnings(caplog)[0]
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX permissions")
+def test_cache_folders_are_private(tmp_path):
+    fresh = tmp_path / "new" / "results"
+    ResultCache(fresh, 10 * 1024**2).close()
+    assert stat.S_IMODE(fresh.stat().st_mode) == 0o700
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o755)
+    loose.chmod(0o755)
+    ResultCache(loose, 10 * 1024**2).close()
+    assert stat.S_IMODE(loose.stat().st_mode) == 0o700
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() != 0,
+                    reason="needs root to hand a folder to another user")
+def test_a_folder_of_another_user_is_not_used(tmp_path, caplog):
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o777)
+    theirs.chmod(0o777)
+    os.chown(theirs, 65534, 65534)
+    cache = ResultCache(theirs, 10 * 1024**2)
+    key = cache_key(b"image", "m", "v1")
+    cache.put(key, ranked(1))
+    assert cache.get(key) is None and len(cache) == 0
+    cache.close()
+    assert list(theirs.iterdir()) == []
+    assert stat.S_IMODE(theirs.stat().st_mode) == 0o777  # not ours to change
+    assert any("belongs to another user" in w for w in cache_warnings(caplog))
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A real, small filesystem (tmpfs, 1 MiB) to fill while the cache is open."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a small filesystem here: {made.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        gc.collect()  # diskcache's connections on the CPU pool's threads close when collected
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+def fill(disk: Path) -> None:
+    """Write until the disk refuses."""
+    with (disk / "filler").open("wb", buffering=0) as filler, contextlib.suppress(OSError):
+        while True:
+            filler.write(b"\0" * 4096)
+
+
+@pytest.mark.anyio
+async def test_a_disk_that_fills_up_serves_uncached_with_one_warning(tmp_path, small_disk,
+                                                                      caplog):
+    with built_app(tmp_path, ready=True, cache=True, cache_dir=small_disk / "cache",
+                   rate_limit=False) as app:
+        async with client(app) as http:
+            fill(small_disk)
+            flags = []
+            for size in (8, 9, 10, 11, 8):
+                answer = await http.post("/v1/classify", files={"file": ("a.png", png(size))})
+                assert answer.status_code == 200, answer.text
+                flags.append(answer.json()["cached"])
+    assert flags == [False] * 5
+    warnings = cache_warnings(caplog)
+    assert len(warnings) == 1 and "disk is full" in warnings[0]
+
+
+@pytest.mark.anyio
+async def test_a_well_formed_entry_for_another_model_is_a_miss(tmp_path):
+    """A ranking over more classes than the model has would name labels it lacks."""
+    image = png(10)
+    model = make_settings(tmp_path).model
+    plant(tmp_path / "cache", {cache_key(image, model, "stand-in"):
+                               header_and(list(range(2000)), [0.0005] * 2000)})
+    with built_app(tmp_path, ready=True, cache=True, rate_limit=False) as app:
+        async with client(app) as http:
+            answer = await http.post("/v1/classify", files={"file": ("a.png", image)})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["cached"] is False

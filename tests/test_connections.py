@@ -8,6 +8,7 @@ import json
 import re
 import select
 import socket
+import struct
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -246,3 +247,22 @@ def test_accepted_connections_have_nagle_off():
         with accepted:
             assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
         client.close()
+
+
+TCP_INFO_DATA_SEGS_IN = 152  # offset of tcpi_data_segs_in in Linux's struct tcp_info (4.6+)
+
+
+def _data_segments_received(sock: socket.socket) -> int:
+    info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+    return int(struct.unpack_from("I", info, TCP_INFO_DATA_SEGS_IN)[0])
+
+
+@linux_only
+def test_a_small_answer_arrives_in_one_packet(guarded):
+    """Head and body leave together: with Nagle's algorithm off, two writes are two
+    packets, two wake-ups of the client and most of what a refusal costs in system calls."""
+    with contextlib.closing(_connect(guarded)) as sock:
+        for _ in range(3):
+            before = _data_segments_received(sock)
+            assert _get_healthz(sock, guarded).status_code == 200
+            assert _data_segments_received(sock) - before == 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 import time
+import webbrowser
 from pathlib import Path
 
 import httpx
@@ -94,3 +95,20 @@ def test_dashboard_link_works_once_and_without_it_the_button_is_off(server, brow
     assert not browser.find_element("id", "empty").is_enabled()
     page = httpx.get(f"{server.url}/ui").text
     assert server.token() not in page and "http" not in page.split("<script>")[1][:2000].lower()
+
+
+def test_the_trays_launch_page_signs_the_dashboard_in(server, browser, monkeypatch, tmp_path):
+    """What the tray hands the browser is a private local page, not the link: a real
+    browser follows it from file:// to the dashboard, which signs in with the code."""
+    from tray.client import ApiClient
+    from tray.dashboard import DashboardOpener
+
+    opened: list[str] = []
+    monkeypatch.setattr(webbrowser, "open", lambda url, *a, **k: opened.append(url))
+    with ApiClient(server.url, server.token_file) as client:
+        DashboardOpener(client, tmp_path / "run").open()
+    assert len(opened) == 1 and opened[0].startswith("file://") and "code" not in opened[0]
+    browser.get(opened[0])
+    wait_until(lambda: browser.current_url.startswith(f"{server.url}/ui"))
+    wait_until(lambda: browser.find_element("id", "empty").is_enabled())
+    assert "#code" not in browser.current_url

@@ -158,16 +158,19 @@ def test_a_worker_cannot_grow_past_its_memory_allowance() -> None:
     try:
         assert worker.receive(BOUND) == (True, READY)
         big = encode(Image.new("RGB", (3000, 3000), (9, 9, 9)), "PNG")  # 36 MB decoded
-        worker.send((big, LIMITS.max_pixels, PREPROCESSING))
+        worker.send((big, LIMITS.max_pixels, PREPROCESSING, 0))  # nothing granted
         _, (kind, peak) = worker.receive(BOUND)
         assert kind == "plan" and peak > 36 * MIB
         worker.send(True)  # go ahead anyway
         _, (kind, error) = worker.receive(BOUND)
         assert kind == "error" and isinstance(error, ImageTooLarge)
         assert "memory" in error.message
-        worker.send((photo(), LIMITS.max_pixels, PREPROCESSING))  # and it still works
+        worker.send((photo(), LIMITS.max_pixels, PREPROCESSING, 0))  # and it still works
         assert worker.receive(BOUND)[1][0] == "plan"
         worker.send(True)
+        assert worker.receive(BOUND)[1][0] == "done"
+        # A photo within what is granted up front goes straight to its answer.
+        worker.send((photo(), LIMITS.max_pixels, PREPROCESSING, 32 * MIB))
         assert worker.receive(BOUND)[1][0] == "done"
     finally:
         worker.ask_to_stop()

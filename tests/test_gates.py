@@ -72,6 +72,16 @@ def test_clients_are_separate_but_share_the_global_bucket():
     assert not rl.check("classify", "b").allowed  # b has a token, the global bucket not
 
 
+def test_a_check_outside_the_global_bucket_neither_needs_nor_takes_its_tokens():
+    clock = FakeClock()
+    rl = limiter(clock, burst=2, global_rate=Rate(1, 1.0))
+    assert rl.check("classify", "a").allowed
+    assert not rl.check("classify", "b").allowed  # the global bucket is empty
+    assert rl.check("classify", "c", shared=False).allowed
+    clock.now += 1.0  # one global token back, and "c" did not take it
+    assert rl.check("classify", "b").allowed
+
+
 def test_idle_buckets_expire_and_memory_is_bounded():
     clock = FakeClock()
     rl = limiter(clock, burst=2, per_second=1.0, max_clients=100)

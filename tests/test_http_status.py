@@ -148,21 +148,22 @@ async def test_requests_are_counted_by_route_family_and_status(tmp_path: Path) -
         async with client(app) as http:
             for _ in range(2):
                 await http.get("/healthz")
-            await http.get("/nowhere")
+            await http.get("/nowhere")  # a 404 costs no token
             await http.post("/v1/classify")  # 503: not ready
             await http.post("/v1/classify?top_k=0")
             await http.post("/v1/memory/empty-cache")  # 401: no token
             await http.get("/healthz", headers={"Host": "evil.example"})  # refused by a gate
+            await http.get("/healthz")
             await http.get("/healthz")  # the 4th read in the burst
             await http.get("/healthz")  # 429
             scrape = await http.get("/metrics", headers={"X-Client-Id": "prometheus"})
             series = parse(scrape.text)
     assert requests_counted(series) == {
-        ("read", "200"): 3, ("read", "404"): 1, ("read", "403"): 1, ("read", "429"): 1,
+        ("read", "200"): 4, ("read", "404"): 1, ("read", "403"): 1, ("read", "429"): 1,
         ("classify", "503"): 1, ("classify", "400"): 1, ("admin", "401"): 1,
     }
     assert value(series, "vramguard_request_duration_seconds_count",
-                 route="read", status="200") == 3
+                 route="read", status="200") == 4
     assert value(series, "vramguard_rate_limited_total") == 1
 
 

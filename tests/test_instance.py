@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import stat
 import subprocess
 import sys
+import time
+from pathlib import Path
 
+import httpx
+import psutil
 import pytest
-from live_server import ROOT, live_server
+from live_server import ROOT, free_port, live_server
 
-from app.instance import InstanceLock, is_held, running_instance, running_instances
+from app.cli import main
+from app.instance import (
+    InstanceLock,
+    instance_folder,
+    is_held,
+    running_instance,
+    running_instances,
+)
 
 HOLD = """
 import sys, time
@@ -48,7 +61,8 @@ def test_a_killed_server_leaves_no_stale_lock(tmp_path):
     assert InstanceLock(tmp_path, 9999).acquire("http://127.0.0.1:9999")
 
 
-RECORD_URL = "import sys; open(sys.argv[1], 'w').write(sys.argv[2])"
+# (no colon in it: webbrowser splits $BROWSER at os.pathsep)
+RECORD_ARGV = "import json, sys; open(sys.argv[1], 'w').write(json.dumps(sys.argv))"
 
 
 def cli(server, *args: str, **env_vars: str) -> subprocess.CompletedProcess[str]:
@@ -68,14 +82,127 @@ def test_a_second_launch_announces_the_first_and_stop_ends_it(tmp_path):
         assert f"vramguard is already running at {server.url}" in again.stderr
         assert f"process {server.process.pid}" in again.stderr
         # The desktop shortcut (`run`) clicked again opens the running one's dashboard.
-        opened = tmp_path / "opened-url"
-        browser = f"{sys.executable} -c \"{RECORD_URL}\" {opened} %s"
+        # The browser's whole command line is recorded: it names a private page, which
+        # holds the one-time code; the code itself is on no command line.
+        opened = tmp_path / "browser-argv"
+        browser = f"{sys.executable} -c \"{RECORD_ARGV}\" {opened} %s"
         shortcut = cli(server, "run", "--port", port, DISPLAY=":0", BROWSER=browser)
         assert shortcut.returncode == 0 and "already running" in shortcut.stderr
-        assert opened.read_text().startswith(f"{server.url}/ui#")
+        argv = json.loads(opened.read_text())[2:]  # after -c and the record's own file
+        assert len(argv) == 1 and argv[0].startswith("file://") and "code" not in argv[0]
+        page = Path(argv[0].removeprefix("file://"))
+        assert stat.S_IMODE(page.stat().st_mode) == 0o600
+        target = f'content="0;url={server.url}/ui#code='
+        assert target in page.read_text()
+        code = page.read_text().split(target)[1].split('"')[0]
+        assert code not in " ".join(argv)
+        assert httpx.post(f"{server.url}/v1/ui/session", json={"code": code}).status_code == 200
         stopped = cli(server, "stop")
         assert stopped.returncode == 0, stopped.stderr
         assert f"Stopped vramguard on port {port}" in stopped.stdout
         assert server.process.wait(30) == 0
         assert "Traceback" not in server.log_text()
     assert cli(server, "stop").stdout.strip() == "vramguard is not running."
+
+
+def test_instance_files_are_private_and_never_followed_through_links(tmp_path):
+    """Another user (or a stale link) must not make vramguard write through a link: the
+    lock and its description are created without following links, in a 0700 folder."""
+    folder = tmp_path / "run"
+    lock = InstanceLock(folder, 8765)
+    assert lock.acquire("http://127.0.0.1:8765")
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    for name in ("instance-8765.lock", "instance-8765.json"):
+        assert stat.S_IMODE((folder / name).stat().st_mode) == 0o600, name
+    lock.release()
+
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    for name in ("instance-8766.json", "instance-8766.tmp"):  # .tmp: the name once used
+        (folder / name).symlink_to(victim)
+    described = InstanceLock(folder, 8766)
+    assert described.acquire("http://127.0.0.1:8766")
+    assert victim.read_text() == "keep me"  # the link was replaced, not written through
+    assert not (folder / "instance-8766.json").is_symlink()
+    described.release()
+
+    (folder / "instance-8767.lock").symlink_to(victim)
+    with pytest.raises(OSError):
+        InstanceLock(folder, 8767).acquire("http://127.0.0.1:8767")
+    assert victim.read_text() == "keep me"
+    assert not is_held(folder, 8767)
+
+
+def test_a_linked_description_is_not_read(tmp_path):
+    folder = tmp_path / "run"
+    lock = InstanceLock(folder, 8765)
+    assert lock.acquire("http://127.0.0.1:8765")
+    info = folder / "instance-8765.json"
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text(json.dumps({"pid": 1, "port": 8765, "url": "http://127.0.0.1:8765",
+                                     "started": 0.0}))
+    info.unlink()
+    info.symlink_to(elsewhere)
+    instance = running_instance(folder, 8765)
+    assert instance is not None and instance.pid == 0  # held, but not described: no pid
+    lock.release()
+
+
+def test_a_loose_instance_folder_is_made_private(tmp_path):
+    folder = tmp_path / "run"
+    folder.mkdir(mode=0o755)
+    folder.chmod(0o755)
+    assert InstanceLock(folder, 8765).acquire("http://127.0.0.1:8765")
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+
+
+@pytest.fixture
+def bystander():
+    """A live process that has nothing to do with vramguard (what a reused PID points at)."""
+    process = subprocess.Popen(["sleep", "60"])
+    yield process
+    process.kill()
+    process.wait()
+
+
+def describe(folder, port: int, **fields: object) -> None:
+    """Rewrite the lock's description the way a reused PID would leave it."""
+    info = folder / f"instance-{port}.json"
+    data = json.loads(info.read_text())
+    data.update(fields)
+    info.unlink()
+    info.write_text(json.dumps(data))
+
+
+def hold(folder, port: int) -> subprocess.Popen[str]:
+    holder = subprocess.Popen([sys.executable, "-c", HOLD.replace("9999", str(port)),
+                               str(folder)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    return holder
+
+
+@pytest.mark.parametrize("whose", ["launcher", "server"])
+@pytest.mark.parametrize("start", ["another", "absent"])
+def test_stop_never_signals_a_reused_pid(tmp_path, monkeypatch, capsys, bystander, whose,
+                                         start):
+    """The description names a live process that is not vramguard (its PID was reused):
+    its recorded start time differs or is missing, so `stop` leaves it alone."""
+    token_file = tmp_path / "config" / "admin-token"
+    monkeypatch.setenv("VRAMGUARD_TOKEN_FILE", str(token_file))
+    folder = instance_folder(token_file)
+    port = free_port()
+    holder = hold(folder, port)
+    try:
+        recorded = {"another": psutil.Process(bystander.pid).create_time() - 1000.0,
+                    "absent": None}[start]
+        if whose == "launcher":
+            describe(folder, port, launcher_pid=bystander.pid, launcher_started=recorded)
+        else:
+            describe(folder, port, pid=bystander.pid, started=recorded)
+        main(["stop", "--port", str(port), "--timeout-s", "1"])
+        time.sleep(0.3)
+        assert bystander.poll() is None, "stop signalled a process that is not vramguard"
+    finally:
+        holder.kill()
+        holder.wait()
+    capsys.readouterr()

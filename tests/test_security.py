@@ -73,6 +73,10 @@ def test_rate_limit_gives_429_with_retry_after(tmp_path):
                                 headers={**JPEG, "X-Client-Id": "other-app"})
         assert other_app.status_code == 200  # its own bucket
         assert client.get("/v1/stats").json()["rate_limited"] == 2
+        spoofed = client.post("/v1/classify", content=photo(),
+                              headers={**JPEG, "X-Forwarded-For": "10.9.9.9"})
+        assert spoofed.status_code == 429  # a made-up address is not a fresh bucket
+    assert '"POST /v1/classify HTTP/1.1" 429' not in limited.log.read_text()  # no access log
 
 
 def test_listening_beyond_this_computer_needs_allow_remote(capsys):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import webbrowser
 from pathlib import Path
 
 import pytest
@@ -35,7 +36,9 @@ def test_reads_the_server_and_draws_its_state(controller):
     assert image.size == (32, 32)
 
 
-def test_actions_go_through_the_api(controller, server):
+def test_actions_go_through_the_api(controller, server, monkeypatch):
+    opened: list[str] = []
+    monkeypatch.setattr(webbrowser, "open", lambda url, *a, **k: opened.append(url))
     with server.client() as client:
         before = client.get("/v1/memory").json()
     assert controller.empty_cache().startswith("Gave back ")
@@ -43,7 +46,8 @@ def test_actions_go_through_the_api(controller, server):
     assert controller.toggle_pause() == "Paused."
     assert controller.paused
     assert controller.toggle_pause() == "Taking images again."
-    assert "/ui#code=" in controller.dashboard_url()
+    assert controller.open_dashboard() is None
+    assert len(opened) == 1 and opened[0].startswith("file://") and "code" not in opened[0]
     assert not controller.paused
     with server.client() as client:
         after = client.get("/v1/memory").json()

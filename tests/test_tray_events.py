@@ -68,7 +68,7 @@ def wire(*events: tuple[str, dict[str, object]]) -> str:
     """What the server's hub writes for these events, retry line included."""
     async def scenario() -> str:
         hub = EventHub()
-        stream = hub.stream()
+        stream = hub.stream(hub.subscribe())
         text = await anext(stream)
         for kind, data in events:
             hub.publish(kind, data)
@@ -260,12 +260,15 @@ def test_follows_the_stream_without_polling(server, tmp_path, no_stream_left):
 
 @contextmanager
 def full_hub(url: str) -> Iterator[None]:
-    """Open live views until the server refuses one more."""
+    """Open live views, each as a client of its own (one client may hold only a few),
+    until the server refuses one more."""
     with httpx.Client(base_url=url, timeout=10) as client:
         views: list[httpx.Response] = []
         try:
-            for _ in range(2 * MAX_SUBSCRIBERS):
-                response = client.send(client.build_request("GET", "/v1/events"), stream=True)
+            for i in range(2 * MAX_SUBSCRIBERS):
+                request = client.build_request("GET", "/v1/events",
+                                               headers={"X-Client-Id": f"viewer-{i}"})
+                response = client.send(request, stream=True)
                 if response.status_code == 503:
                     response.close()
                     break

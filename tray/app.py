@@ -11,7 +11,6 @@ import logging
 import os
 import sys
 import threading
-import webbrowser
 from typing import Any
 
 from tray.controller import TrayController
@@ -45,6 +44,11 @@ def run_tray(controller: TrayController) -> None:
     def say(icon: Any, message: str) -> None:
         icon.notify(message, "vramguard")
 
+    def open_dashboard(icon: Any) -> None:
+        problem = controller.open_dashboard()
+        if problem:
+            say(icon, problem)
+
     def quit_tray(icon: Any) -> None:
         stop.set()
         controller.stop_following()
@@ -61,8 +65,7 @@ def run_tray(controller: TrayController) -> None:
         pystray.MenuItem("Pause", lambda icon: say(icon, controller.toggle_pause()),
                          checked=lambda _item: controller.paused,
                          enabled=lambda _item: not controller.down),
-        pystray.MenuItem("Open dashboard", lambda _icon: webbrowser.open(
-            controller.dashboard_url())),
+        pystray.MenuItem("Open dashboard", lambda icon: open_dashboard(icon)),
         pystray.MenuItem("Start server", lambda _icon: controller.ensure_server(),
                          visible=lambda _item: controller.down
                          and controller.start_server is not None),

@@ -1,44 +1,105 @@
 """The tray's only way to the server: its HTTP API, with the admin token from the
-per-user token file."""
+per-user token file.
+
+The token goes only to a server that has just proved it knows it: before each admin
+call the client sends a fresh nonce to ``POST /v1/identity`` and checks the answer,
+HMAC(token, nonce ‖ port), against the port it called. Whatever else answers on the
+port (a program that took it while vramguard was down, or one that passes the challenge
+on to a real vramguard elsewhere) gets no token and no action. ``vramguard stop`` and
+the second launch use this client too.
+"""
 
 from __future__ import annotations
 
+import hmac
+import re
+import secrets
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from app.gates.admin_token import load_or_create_token
+from app.gates.admin_token import (
+    NONCE_BYTES,
+    InsecureTokenFile,
+    identity_proof,
+    load_or_create_token,
+)
 from app.schemas import LiveSample, MemoryReport, StatsResponse
+from app.user_files import reason
+
+DASHBOARD_CODE = re.compile(r"[A-Za-z0-9_-]{16,128}", re.ASCII)
+"""What a one-time dashboard code looks like (``secrets.token_urlsafe``); anything else
+is not put in a page."""
 
 
 class ServerDown(Exception):
     """The server does not answer (not running, starting, or crashed)."""
 
 
+class NotVramguard(Exception):
+    """Something answers on the port but cannot prove it is this user's vramguard."""
+
+
 class ApiClient:
     def __init__(self, base_url: str, token_file: Path, timeout: float = 3.0) -> None:
         self.base_url = base_url
         self.token_file = token_file
+        self.port = httpx.URL(base_url).port or 80
         self._http = httpx.Client(base_url=base_url, timeout=timeout,
                                   headers={"X-Client-Id": "vramguard-tray"})
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            return self._http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise ServerDown(str(exc)) from None
+
+    def _token(self) -> str:
+        try:
+            return load_or_create_token(self.token_file)
+        except InsecureTokenFile as exc:
+            raise RuntimeError(str(exc)) from None
+        except OSError as exc:
+            raise RuntimeError(f"cannot read the admin token file {self.token_file}: "
+                               f"{reason(exc)}") from None
+
+    def _prove(self, token: str) -> None:
+        """Make whatever answers on the port prove that it knows ``token`` for this port;
+        NotVramguard (and nothing sent) when it cannot."""
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        response = self._request("POST", "/v1/identity", json={"nonce": nonce.hex()})
+        if response.status_code in (429, 503):
+            raise ServerDown(f"vramguard on port {self.port} is busy; try again in a moment")
+        try:
+            proof = response.json()["proof"]
+        except (ValueError, KeyError, TypeError):
+            proof = None
+        expected = identity_proof(token, nonce, self.port)
+        if response.status_code != 200 or not isinstance(proof, str) or \
+                not hmac.compare_digest(proof.encode(), expected.encode()):
+            raise NotVramguard(f"Another program is answering on port {self.port}; "
+                               "vramguard is not running there (or it uses another "
+                               "admin-token file). Nothing was sent to it.")
 
     def _call(self, method: str, path: str, admin: bool = False) -> dict[str, Any]:
         headers = {}
         if admin:
-            headers["Authorization"] = f"Bearer {load_or_create_token(self.token_file)}"
-        try:
-            response = self._http.request(method, path, headers=headers)
-        except httpx.TransportError as exc:
-            raise ServerDown(str(exc)) from None
+            token = self._token()
+            self._prove(token)
+            headers["Authorization"] = f"Bearer {token}"
+        response = self._request(method, path, headers=headers)
         if response.status_code >= 400:
             try:
                 message = response.json()["error"]["message"]
             except (ValueError, KeyError, TypeError):
                 message = response.text[:200]
             raise ServerDown(message) if response.status_code == 503 else RuntimeError(message)
-        body = response.json()
+        try:
+            body = response.json()
+        except ValueError:
+            body = None
         if not isinstance(body, dict):
             raise RuntimeError(f"unexpected answer from {path}: {response.text[:200]}")
         return body
@@ -46,8 +107,14 @@ class ApiClient:
     def sample(self) -> LiveSample:
         """Memory and queue figures in one sample (what the icon and menu show), read from
         /v1/memory and /v1/stats: the same fields as a live event's."""
-        memory = MemoryReport.model_validate(self._call("GET", "/v1/memory"))
-        stats = StatsResponse.model_validate(self._call("GET", "/v1/stats"))
+        try:
+            memory = MemoryReport.model_validate(self._call("GET", "/v1/memory"))
+            stats = StatsResponse.model_validate(self._call("GET", "/v1/stats"))
+        except ValueError:  # not vramguard's answer: nothing to show
+            raise ServerDown(f"the program on port {self.port} does not answer like "
+                             "vramguard") from None
+        except RuntimeError as exc:  # refused (rate limited, say): no reading this time
+            raise ServerDown(str(exc)) from None
         return LiveSample(
             **memory.model_dump(), t=time.time(), queue_depth=stats.queue_depth,
             in_flight=stats.in_flight, batches=stats.batches,
@@ -64,9 +131,13 @@ class ApiClient:
         return self._call("POST", "/v1/admin/pause" if paused else "/v1/admin/resume",
                           admin=True)
 
-    def dashboard_link(self) -> str:
-        """A one-time link that opens the dashboard with its Empty-cache button enabled."""
-        return str(self._call("POST", "/v1/admin/ui-link", admin=True)["url"])
+    def dashboard_code(self) -> str:
+        """A one-time code that signs the dashboard in. Only the code is taken from the
+        answer, never its ``url``: what the browser opens is built by the caller."""
+        code = self._call("POST", "/v1/admin/ui-link", admin=True).get("code")
+        if not isinstance(code, str) or not DASHBOARD_CODE.fullmatch(code):
+            raise RuntimeError("vramguard did not give a usable dashboard code")
+        return code
 
     def shutdown(self) -> dict[str, Any]:
         return self._call("POST", "/v1/admin/shutdown", admin=True)

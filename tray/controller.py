@@ -18,10 +18,12 @@ from typing import Any
 
 from PIL import Image
 
+from app.instance import instance_folder
 from app.memory.guard import GuardState
 from app.schemas import LiveSample
 from app.units import human_bytes
-from tray.client import ApiClient, ServerDown
+from tray.client import ApiClient, NotVramguard, ServerDown
+from tray.dashboard import DashboardOpener
 from tray.event_stream import EventStream
 from tray.icon import draw_icon
 from tray.text import Notifier, gauge_of, menu_lines, tooltip
@@ -152,17 +154,20 @@ class TrayController:
         return result if isinstance(result, str) else (
             "Paused." if result["paused"] else "Taking images again.")
 
-    def dashboard_url(self) -> str:
-        """The one-time dashboard link, or the plain page if the server will not give one."""
+    def open_dashboard(self) -> str | None:
+        """Open the dashboard, signed in, in the browser; None when it opened, else what
+        to tell the person (nothing is opened for a server that fails the challenge)."""
+        opener = DashboardOpener(self.client, instance_folder(self.client.token_file))
         try:
-            return self.client.dashboard_link()
-        except (ServerDown, RuntimeError):
-            return f"{self.client.base_url}/ui"
+            opener.open()
+        except (ServerDown, NotVramguard, RuntimeError) as exc:
+            return f"Could not open the dashboard: {exc}"
+        return None
 
     def _act(self, action: Callable[[], dict[str, Any]]) -> dict[str, Any] | str:
         try:
             result = action()
-        except (ServerDown, RuntimeError) as exc:
+        except (ServerDown, NotVramguard, RuntimeError) as exc:
             return f"Could not do that: {exc}"
         self._poll()  # show the action's effect now, not at the next sample
         return result
@@ -204,6 +209,6 @@ class TrayController:
             try:
                 self.client.shutdown()
                 self.server.wait(20)
-            except (ServerDown, RuntimeError, subprocess.TimeoutExpired):
+            except (ServerDown, NotVramguard, RuntimeError, subprocess.TimeoutExpired):
                 self.server.terminate()
                 self.server.wait(10)

@@ -1,6 +1,6 @@
-"""``POST /v1/classify``: read the upload, decode it in a decode worker process through the
-CPU pool (or answer from the result cache), queue it for the device thread, and answer in
-JSON."""
+"""``POST /v1/classify``: take a place in line (or 503 before the upload is read), read
+the upload, decode it in a decode worker process through the CPU pool (or answer from the
+result cache), queue it for the device thread in its place, and answer in JSON."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from starlette.datastructures import UploadFile
 from app.cache import cache_key
 from app.engine.predictor import Ranked, Sample
 from app.errors import BadRequest, ClientGone, NotFound, UnsupportedMediaType, too_busy_to_start
+from app.gates.body_limit import body_done
 from app.models import LoadedModel
 from app.schemas import ClassifyResponse, ErrorResponse, PredictionOut
 from app.state import AppState, state_of
@@ -87,7 +88,7 @@ def _prepare(state: AppState, model: LoadedModel, data: bytes, deadline: float
     if state.cache is not None:
         key = cache_key(data, model.name, model.weights_version)
         hit = state.cache.get(key)
-        if hit is not None:
+        if hit is not None and len(hit.indices) == len(model.labels):  # else not this model's
             return key, hit
     return key, torch.from_numpy(state.decoder.decode(data, model.preprocessing, deadline))
 
@@ -109,22 +110,25 @@ async def classify(
     engine.require_unpaused()
     started = time.perf_counter()
     deadline = time.monotonic() + state.settings.request_timeout_s
-    data = await read_upload(request)
-    key, found = await state.pool.run_before(deadline, _prepare, state, loaded, data,
-                                             deadline)
-    prepared = time.perf_counter()
-    batch_size = 0
-    if isinstance(found, Ranked):
-        ranked = found
-    else:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise too_busy_to_start()
-        work = asyncio.ensure_future(engine.classify(Sample(found, top_k), left))
-        prediction = await unless_disconnected(request, work)
-        ranked, batch_size = prediction.ranked, prediction.batch_size
-        if key is not None and state.cache is not None:
-            await state.pool.run(state.cache.put, key, ranked)
+    with engine.admit(state.settings.request_timeout_s) as place:
+        data = await read_upload(request)
+        key, found = await state.pool.run_before(deadline, _prepare, state, loaded, data,
+                                                 deadline)
+        del data
+        body_done(request.scope)
+        prepared = time.perf_counter()
+        batch_size = 0
+        if isinstance(found, Ranked):
+            ranked = found
+        else:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise too_busy_to_start()
+            work = asyncio.ensure_future(engine.classify(Sample(found, top_k), left, place))
+            prediction = await unless_disconnected(request, work)
+            ranked, batch_size = prediction.ranked, prediction.batch_size
+    if key is not None and state.cache is not None and batch_size:
+        await state.pool.run(state.cache.put, key, ranked)
     finished = time.perf_counter()
     top = ranked.top(top_k)
     labels = loaded.labels

@@ -26,18 +26,27 @@ class Code(BaseModel):
     code: str
 
 
+# frame-ancestors 'none' (and X-Frame-Options for older browsers): no other page may show
+# the dashboard in a frame and trick the user into clicking its buttons.
+POLICY = ("default-src 'self'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+          "frame-ancestors 'none'")
+
+
 @router.get("/ui", response_class=HTMLResponse, summary="Live dashboard")
 async def dashboard() -> HTMLResponse:
     return HTMLResponse(page(), headers={"Cache-Control": "no-store",
-                                         "Content-Security-Policy": "default-src 'self'; "
-                                         "script-src 'unsafe-inline'; style-src 'unsafe-inline'"})
+                                         "Content-Security-Policy": POLICY,
+                                         "X-Frame-Options": "DENY"})
 
 
 @router.post("/v1/admin/ui-link", dependencies=[Depends(require_admin)],
-             summary="A one-time link that opens the dashboard with admin rights (admin)")
+             summary="A one-time code (and link) that opens the dashboard with its "
+             "Empty-cache and Reset-peak buttons (admin token only)")
 async def ui_link(request: Request) -> dict[str, str]:
+    """The tray builds the link itself from ``code`` (never taking a URL from a server);
+    ``url`` is for scripts."""
     code = state_of(request).ui_sessions.new_code()
-    return {"url": f"{str(request.base_url).rstrip('/')}/ui#code={code}"}
+    return {"code": code, "url": f"{str(request.base_url).rstrip('/')}/ui#code={code}"}
 
 
 @router.post("/v1/ui/session", summary="Trade a one-time code for a dashboard session")

@@ -8,12 +8,18 @@ when the thread looks), so no request waits longer than the window.
 
 Everything that touches the device - loading, warmup, every forward pass -
 runs on this thread: ``call`` hands it arbitrary work between batches.
+
+A request is admitted before its image is even read (``reserve``): when the images
+already admitted would keep its answer past its deadline, it is refused at once, so a
+refusal never costs an upload or a decode. The wait is predicted from the seconds per
+image the device thread measures on its own batches.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import statistics
 import threading
 import time
 from collections import Counter, deque
@@ -29,6 +35,13 @@ R = TypeVar("R")
 T = TypeVar("T")
 log = logging.getLogger("vramguard.engine")
 MEMORY_POLL_S = 0.05
+# The estimate of seconds per image is the median of the last batches: it follows a real
+# change within a few batches, and one batch stalled by a busy machine does not swing it.
+RATE_WINDOW = 15
+# An admitted image must be predicted to be answered within this share of its time: the
+# rest absorbs its reading and decoding and the swings of the measured rate, so that
+# little admitted work expires after it was read and decoded.
+ADMISSION_SHARE = 0.8
 
 
 @dataclass(eq=False)
@@ -56,6 +69,27 @@ class BatcherStats:
     @property
     def mean_batch_size(self) -> float:
         return self.items / self.batches if self.batches else 0.0
+
+
+class Reservation:
+    """A place kept in line for a request whose image is still being read or decoded; it
+    becomes a queued item on ``submit``, or is given back on leaving the ``with`` block."""
+
+    def __init__(self, release: Callable[[], None]) -> None:
+        self._release = release
+        self.held = True
+
+    def take(self) -> bool:
+        """Use the place (once); False if it was already used or given back."""
+        held, self.held = self.held, False
+        return held
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.take():
+            self._release()
 
 
 class MicroBatcher(Generic[P, R]):
@@ -92,7 +126,11 @@ class MicroBatcher(Generic[P, R]):
         self._cond = threading.Condition()
         self._stopping = False
         self._in_flight = 0
+        self._reserved = 0
         self._seconds_per_item = 0.0
+        self._recent: deque[float] = deque(maxlen=RATE_WINDOW)  # seconds per image
+        self._last_end: float | None = None  # when the last batch ended
+        self._backlog = False  # images were waiting when it ended
         self.stats = BatcherStats()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
 
@@ -109,8 +147,18 @@ class MicroBatcher(Generic[P, R]):
             self._cond.notify_all()
 
     def set_service_rate(self, items_per_second: float) -> None:
-        """Tell the batcher how fast the device goes, for Retry-After estimates."""
+        """Start from this rate (warmup's, measured alone); every batch then updates it with
+        what it took, which includes the decoding and HTTP work competing for the CPU."""
         self._seconds_per_item = 1.0 / items_per_second if items_per_second > 0 else 0.0
+        self._recent.clear()
+
+    @property
+    def seconds_per_item(self) -> float:
+        return self._seconds_per_item
+
+    @property
+    def reserved(self) -> int:
+        return self._reserved
 
     @property
     def queue_depth(self) -> int:
@@ -148,28 +196,54 @@ class MicroBatcher(Generic[P, R]):
         return max(1.0, self.predicted_wait())
 
     def predicted_wait(self) -> float:
-        """Seconds a request queued now would wait, at the measured service rate."""
-        return (len(self._queue) + self._in_flight) * self._seconds_per_item
+        """Seconds a request admitted now would wait: everything reserved, queued and
+        running goes first, at the measured service rate."""
+        ahead = self._reserved + len(self._queue) + self._in_flight
+        return ahead * self._seconds_per_item
 
-    def submit(self, payload: P, timeout_s: float) -> Future[R]:
-        """Queue ``payload``; raise Overloaded at once when the queue is full or the wait
-        it predicts is longer than ``timeout_s`` (a fast no beats a slow one)."""
+    def _check_room(self, timeout_s: float) -> None:
+        """Overloaded unless one more request fits in the queue and its answer is
+        predicted within ``timeout_s`` (a fast no beats a slow one). Hold the lock."""
+        if self._stopping:
+            raise Overloaded("vramguard is shutting down.", retry_after=5)
+        own_turn = self.predicted_wait() + self._seconds_per_item
+        if self._reserved + len(self._queue) >= self._queue_size or own_turn > timeout_s:
+            raise Overloaded("vramguard is busy: too many images are waiting. "
+                             "Try again shortly.", retry_after=self.retry_after())
+
+    def reserve(self, timeout_s: float) -> Reservation:
+        """Keep a place in line for a request about to be read and decoded, or raise
+        Overloaded at once when it could not be answered within ``timeout_s``."""
+        with self._cond:
+            self._check_room(timeout_s * ADMISSION_SHARE)
+            self._reserved += 1
+        return Reservation(self._unreserve)
+
+    def _unreserve(self) -> None:
+        with self._cond:
+            self._reserved -= 1
+
+    def submit(self, payload: P, timeout_s: float,
+               reservation: Reservation | None = None) -> Future[R]:
+        """Queue ``payload`` in the place ``reservation`` kept, or, without one, only if
+        there is room (Overloaded otherwise)."""
         now = self._clock()
         item: WorkItem[P, R] = WorkItem(payload, now, now + timeout_s)
         with self._cond:
-            if self._stopping:
-                raise Overloaded("vramguard is shutting down.", retry_after=5)
-            own_turn = self.predicted_wait() + self._seconds_per_item
-            if len(self._queue) >= self._queue_size or own_turn > timeout_s:
-                raise Overloaded("vramguard is busy: too many images are waiting. "
-                                 "Try again shortly.", retry_after=self.retry_after())
+            if reservation is not None and reservation.take():
+                self._reserved -= 1
+                if self._stopping:
+                    raise Overloaded("vramguard is shutting down.", retry_after=5)
+            else:
+                self._check_room(timeout_s)
             self._queue.append(item)
             self._cond.notify_all()
         return item.future
 
-    async def infer(self, payload: P, timeout_s: float) -> R:
+    async def infer(self, payload: P, timeout_s: float,
+                    reservation: Reservation | None = None) -> R:
         """Submit and await the result; cancelling the caller withdraws a queued request."""
-        return await asyncio.wrap_future(self.submit(payload, timeout_s))
+        return await asyncio.wrap_future(self.submit(payload, timeout_s, reservation))
 
     def call(self, fn: Callable[[], T]) -> Future[T]:
         """Run ``fn`` on the device thread between batches (loading, warmup, cache release)."""
@@ -267,10 +341,15 @@ class MicroBatcher(Generic[P, R]):
                                 "busy. Try again shortly.", retry_after=self.retry_after())
 
     def _run(self, batch: list[WorkItem[P, R]]) -> None:
+        started = self._clock()
+        # With a backlog, the time since the last batch ended counts too (taking this one,
+        # waiting for the interpreter lock): it is part of how fast the queue drains.
+        began = self._last_end if self._backlog and self._last_end is not None else started
         try:
             results = self._run_batch([item.payload for item in batch])
             if len(results) != len(batch):
                 raise RuntimeError(f"batch of {len(batch)} gave {len(results)} results")
+            self._measure(self._clock() - began, len(batch))
         except Exception as exc:
             log.exception("batch of %d failed", len(batch))
             self.stats.failed_batches += 1
@@ -288,6 +367,15 @@ class MicroBatcher(Generic[P, R]):
             self.stats.largest_batch = max(self.stats.largest_batch, len(batch))
             self.stats.sizes[len(batch)] += 1
             self._in_flight = 0
+            self._last_end = self._clock()
+            self._backlog = bool(self._queue)
+
+    def _measure(self, took_s: float, items: int) -> None:
+        """Add a batch's seconds per image to the recent ones; their median is the estimate."""
+        if took_s <= 0:
+            return
+        self._recent.append(took_s / items)
+        self._seconds_per_item = statistics.median(self._recent)
 
     @staticmethod
     def _run_call(fn: Callable[[], Any], future: Future[Any]) -> None:

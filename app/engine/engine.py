@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from app.config import Settings
-from app.engine.batcher import MicroBatcher
+from app.engine.batcher import MicroBatcher, Reservation
 from app.engine.device import resolve_device
 from app.engine.oom import OomRecovery, Outcome
 from app.engine.predictor import Prediction, Predictor, Sample
@@ -138,13 +138,19 @@ class InferenceEngine:
         self.phase = Phase.STOPPED
         self.batcher.stop()
 
-    async def classify(self, sample: Sample, timeout_s: float) -> Prediction:
-        """Queue one preprocessed image for at most ``timeout_s``; raises Overloaded /
-        DeadlineExceeded when busy, Paused while paused."""
+    def admit(self, timeout_s: float) -> Reservation:
+        """A place in line for an image not read yet, or Overloaded (503) at once when its
+        answer could not come within ``timeout_s``: refused before its upload is read."""
+        return self.batcher.reserve(timeout_s)
+
+    async def classify(self, sample: Sample, timeout_s: float,
+                       reservation: Reservation | None = None) -> Prediction:
+        """Queue one preprocessed image (in its reserved place) for at most ``timeout_s``;
+        raises Overloaded / DeadlineExceeded when busy, Paused while paused."""
         self.require_runtime()
         self.require_unpaused()
         self._last_activity = time.monotonic()
-        outcome = await self.batcher.infer(sample, timeout_s)
+        outcome = await self.batcher.infer(sample, timeout_s, reservation)
         if isinstance(outcome, InsufficientMemory):
             raise outcome
         return outcome

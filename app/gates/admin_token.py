@@ -1,29 +1,73 @@
 """The admin token: a per-user secret that admin endpoints require as a Bearer token.
 
 Created at first start in the per-user config folder with owner-only
-permissions; the tray reads it from there. Web pages cannot read files, so a
-page in the user's browser cannot call admin endpoints.
+permissions; the tray reads it from there, and refuses a file that other users could
+read. Web pages cannot read files, so a page in the user's browser cannot call admin
+endpoints. Before the tray hands the token to whatever answers on the port, the
+server proves it knows the token (``identity_proof``): another program holding the port
+gets nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import hmac
 import logging
 import os
 import secrets
+import shlex
+import stat
+import sys
 import tempfile
 from pathlib import Path
 
 from fastapi import Request
 
-from app.errors import Unauthorized
+from app.errors import AdminTokenRequired, Unauthorized
+from app.gates.ui_session import SESSION_ACTIONS, SESSION_MAX_S
 
 log = logging.getLogger("vramguard.gates")
+NONCE_BYTES = 32
+
+
+class InsecureTokenFile(OSError):
+    """The token file is not private (other users could read or change it): refused, with
+    the message saying how to fix it."""
+
+
+def identity_proof(token: str, nonce: bytes, port: int) -> str:
+    """HMAC-SHA256 keyed with the token over the nonce and the port the server listens on
+    (two bytes, big-endian), in hex. Binding the port means a program on another port
+    cannot pass on a real vramguard's answer as its own."""
+    message = nonce + port.to_bytes(2, "big")
+    return hmac.new(token.encode(), message, hashlib.sha256).hexdigest()
+
+
+def _profile() -> Path:
+    return Path(os.environ.get("USERPROFILE") or Path.home())
+
+
+def token_file_problem(path: Path, mode: int, *, windows: bool, profile: Path) -> str | None:
+    """Why a token file is not private, or None. POSIX: any permission for the group or
+    others. Windows has no mode bits worth reading: the file must lie in the user's own
+    profile folder, whose access list only the user and the system share."""
+    if windows:
+        if path.resolve().is_relative_to(profile.resolve()):
+            return None
+        return (f"The admin token file {path} is outside your own user folder ({profile}), "
+                "where other users of this computer may be able to read it. Move it into "
+                "your user folder, or remove the token_file setting to use the default.")
+    if mode & 0o077:
+        return (f"The admin token file {path} can be read or changed by other users of "
+                f"this computer (its permissions are {stat.filemode(mode)[1:]}). Make it "
+                f"private with: chmod 600 {shlex.quote(str(path))}")
+    return None
 
 
 def load_or_create_token(path: Path) -> str:
-    """Read the token, creating it (mode 0600) on first use or when the file is empty."""
+    """Read the token, creating it (mode 0600) on first use or when the file is empty;
+    InsecureTokenFile when others may read it."""
     return _read(path) or _create(path, secrets.token_urlsafe(32))
 
 
@@ -54,10 +98,20 @@ def _create(path: Path, token: str) -> str:
 
 
 def _read(path: Path) -> str:
+    """The token the file holds ('' when there is none); the permissions are those of the
+    file actually read (fstat), so a swap between check and read changes nothing."""
     try:
-        return path.read_text().strip()
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
     except FileNotFoundError:
         return ""
+    with os.fdopen(fd, "rb") as handle:
+        mode = os.fstat(handle.fileno()).st_mode
+        token = handle.read().decode("utf-8", errors="replace").strip()
+    problem = token and token_file_problem(path, mode, windows=sys.platform == "win32",
+                                           profile=_profile())
+    if problem:
+        raise InsecureTokenFile(problem)
+    return token
 
 
 class AdminToken:
@@ -82,9 +136,9 @@ class AdminToken:
         if seen != self._seen:
             try:
                 self._token = _read(self.path) or _create(self.path, self._token)
-            except OSError:
-                log.warning("cannot read or write the admin token file %s; keeping the "
-                            "token vramguard started with", self.path)
+            except OSError as exc:
+                log.warning("cannot use the admin token file %s (%s); keeping the token "
+                            "vramguard started with", self.path, exc)
             self._seen = self._identity()
         return self._token
 
@@ -100,9 +154,22 @@ def check_bearer(header: str | None, token: str) -> None:
 
 
 def require_admin(request: Request) -> None:
-    """FastAPI dependency for admin endpoints: the admin token or a dashboard session."""
+    """FastAPI dependency for admin endpoints: the admin token, or a dashboard session for
+    the few actions a session may take (listed in ``SESSION_ACTIONS``: a new admin route
+    is closed to sessions until it is added there)."""
     header = request.headers.get("authorization") or ""
     scheme, _, given = header.partition(" ")
     if scheme.lower() == "bearer" and request.app.state.vg.ui_sessions.valid(given.strip()):
-        return
-    check_bearer(header, request.app.state.vg.admin_token.current())
+        if (request.method, request.scope["path"]) in SESSION_ACTIONS:
+            return
+        raise AdminTokenRequired("The dashboard can only empty the cache and reset the "
+                                 "peak; this needs the admin token (the tray icon, "
+                                 "'vramguard stop', or a script that reads the token file).")
+    try:
+        check_bearer(header, request.app.state.vg.admin_token.current())
+    except Unauthorized:
+        if scheme.lower() == "bearer" and given.strip():
+            raise Unauthorized(f"The admin token is wrong, or this dashboard session has "
+                               f"ended (they last {SESSION_MAX_S / 3600:g} hours): open "
+                               "the dashboard again from the tray icon.") from None
+        raise

@@ -32,6 +32,7 @@ from app.units import human_bytes
 
 DRAIN_FACTOR = 4  # refused bodies up to 4x the size limit are read through, not reset
 CLOSE = (b"connection", b"close")
+UPLOAD_KEY = "vramguard.upload"  # the request's Upload, in its ASGI scope, for body_done
 
 
 def too_large(limit: int) -> PayloadTooLarge:
@@ -99,6 +100,7 @@ class BodySizeLimit:
                 await upload.drain()
             await refuse(too_large(self.max_bytes), self.stats, scope, receive, upload.send)
             return
+        scope[UPLOAD_KEY] = upload
         try:
             await self.app(scope, upload.receive, upload.send)
         finally:
@@ -127,6 +129,16 @@ class BodySizeLimit:
             self.by_client[upload.client] = left
         else:
             del self.by_client[upload.client]
+        upload.charged = 0
+
+
+def body_done(scope: Scope) -> None:
+    """A route has turned the body into something smaller (decoded pixels) and dropped it:
+    give its bytes back now rather than when the answer goes, so that images waiting for
+    the model do not hold the upload budget that the next uploads need."""
+    upload = scope.get(UPLOAD_KEY)
+    if isinstance(upload, Upload) and upload.ended:
+        upload.gate.release(upload)
 
 
 class Upload:

@@ -7,6 +7,17 @@ Cross-site requests: a page may still send requests to 127.0.0.1 directly;
 the browser then adds an ``Origin`` header, and any origin not allowed gets
 403 at the server — not merely a response the page cannot read.
 
+Not every such request carries an Origin: an ``<img>`` or ``<script>`` tag, or
+``fetch(…, {mode: "no-cors"})`` with GET, sends none. Browsers mark them with
+``Sec-Fetch-Site`` instead, so a request marked ``cross-site`` or ``same-site``
+(a page on another port of this computer) is refused unless it carries an Origin
+that is allowed — except a top-level navigation to the dashboard
+(``Sec-Fetch-Mode: navigate``, ``Sec-Fetch-Dest: document``), which is how the
+tray's launch page opens it. ``same-origin`` (our own pages) and ``none`` (typed,
+bookmarked, or not a browser) pass. Older browsers send no Sec-Fetch-*: their
+Origin-less GETs still pass here, but one that is a 404 or 405 (such as a GET of
+/v1/classify) costs no rate-limit token.
+
 IPv6 literals are parsed properly (``[::1]:8765``), unlike Starlette's
 ``TrustedHostMiddleware``.
 """
@@ -21,6 +32,10 @@ from app.config import LOOPBACK_HOSTS
 from app.errors import ApiError
 from app.gates import refuse
 from app.stats import RequestStats
+
+OTHER_SITES = frozenset({"cross-site", "same-site"})
+DASHBOARD = "/ui"
+_READ = (b"host", b"origin", b"sec-fetch-site", b"sec-fetch-mode", b"sec-fetch-dest")
 
 
 class Forbidden(ApiError):
@@ -81,15 +96,35 @@ class HostOriginGate:
             return False
         return self.host_allowed(parts.netloc)  # our own pages (/docs) are same-origin
 
+    @staticmethod
+    def opens_the_dashboard(scope: Scope, headers: dict[bytes, str]) -> bool:
+        """A link followed to /ui in the browser's own window (not a frame, image or
+        script): the only request another site may make."""
+        return (scope["method"] == "GET" and scope["path"] == DASHBOARD
+                and headers.get(b"sec-fetch-mode", "").lower() == "navigate"
+                and headers.get(b"sec-fetch-dest", "").lower() == "document")
+
+    def from_another_site(self, scope: Scope, headers: dict[bytes, str]) -> bool:
+        """Marked by the browser as sent by another site (or another port), without an
+        allowed Origin, and not a navigation to the dashboard."""
+        if headers.get(b"sec-fetch-site", "").strip().lower() not in OTHER_SITES:
+            return False
+        if b"origin" in headers and self.origin_allowed(headers[b"origin"]):
+            return False
+        return not self.opens_the_dashboard(scope, headers)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = {name: value.decode("latin-1") for name, value in scope["headers"]
-                   if name in (b"host", b"origin")}
+                   if name in _READ}
         if not self.host_allowed(headers.get(b"host")):
             error = Forbidden("This address is not allowed. Use http://127.0.0.1:"
                               f"{self.port} or http://localhost:{self.port}.")
+        elif self.from_another_site(scope, headers):
+            error = Forbidden("Requests from other web pages are not allowed unless their "
+                              "origin is listed in the cors_origins setting.")
         elif b"origin" in headers and not self.origin_allowed(headers[b"origin"]):
             error = Forbidden("Requests from web pages are not allowed unless their origin "
                               "is listed in the cors_origins setting.")

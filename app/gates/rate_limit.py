@@ -1,9 +1,29 @@
-"""In-process token buckets: one per client and route family, plus one global bucket.
+"""In-process token buckets: one per client and route family, plus one global bucket
+per family.
 
 A client is its peer address plus an optional ``X-Client-Id`` header (desktop
 apps on the same machine share 127.0.0.1, so they may name themselves). A
 denied request gets 429 with ``Retry-After`` (seconds until one token, rounded
 up) and the ``RateLimit-*`` headers.
+
+Only a request for a route that exists, with its method, is charged: a 404 or 405
+costs nothing. (A web page's ``<img src=".../v1/classify">`` is a GET without an
+Origin header; when it cost a classify token, a page could drain the bucket that
+every local app without ``X-Client-Id`` shares.)
+
+A caller that sends the admin token (or a dashboard session) is recognised before
+anything is charged: its requests use buckets of their own, whatever ``X-Client-Id``
+it claims, and skip the global read and admin buckets. So no program without the
+token can spend the tray's tokens or starve it through the global buckets.
+``/healthz`` and ``/readyz`` skip the global buckets too: a supervisor's health
+check must not fail because others are busy; so does ``/v1/events``, whose cost is
+bounded by its stream slots, so that the tray's live line (which carries no token)
+cannot be starved by others' reads. The two handshakes made before a caller
+can authenticate, ``/v1/identity`` (the tray checks the server before it sends the
+token) and ``/v1/ui/session`` (the dashboard trades its one-time code), are not charged
+at all: any bucket they shared could be emptied by a program without the token, and
+each costs less than a 404. (Guessing is hopeless: a code is 192 random bits and lives
+two minutes.)
 
 Decision: a rejected request costs no token. Otherwise a client that keeps
 retrying too early would starve itself for ever; with this rule, honouring
@@ -23,6 +43,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import ApiError
@@ -30,6 +51,9 @@ from app.gates import refuse
 from app.stats import RequestStats
 
 _CLIENT_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_ADMIN_CALLER = "#admin"  # appended to an authenticated caller's key (ids cannot hold '#')
+HANDSHAKES = frozenset({"/v1/identity", "/v1/ui/session"})
+NOT_GLOBAL = frozenset({"/healthz", "/readyz", "/v1/events"})
 _EPSILON = 1e-9  # float refill arithmetic must not deny a token that is due
 
 
@@ -110,8 +134,9 @@ class RateLimiter:
         self._lock = threading.Lock()
         self.rejected = 0
 
-    def check(self, family: str, client: str) -> Decision:
-        """Take a token from the client's and the global bucket, or say how long to wait."""
+    def check(self, family: str, client: str, *, shared: bool = True) -> Decision:
+        """Take a token from the client's bucket and (with ``shared``) the family's global
+        one, or say how long to wait."""
         rate = self.per_client.get(family)
         if rate is None:
             return Decision(True, 0, 0, 0.0)
@@ -120,15 +145,15 @@ class RateLimiter:
             bucket = self._clients.pop((family, client), None) or TokenBucket(rate, now)
             self._clients[(family, client)] = bucket
             self._expire(now)
-            shared = self._globals.get(family)
-            blocked = [b for b in (bucket, shared) if b is not None and b.seconds_until_token(now)]
+            common = self._globals.get(family) if shared else None
+            blocked = [b for b in (bucket, common) if b is not None and b.seconds_until_token(now)]
             if blocked:
                 self.rejected += 1
                 wait = max(b.seconds_until_token(now) for b in blocked)
                 return Decision(False, rate.burst, 0, bucket.seconds_until_full(now), wait)
             bucket.try_take(now)
-            if shared is not None:
-                shared.try_take(now)
+            if common is not None:
+                common.try_take(now)
             return Decision(True, rate.burst, bucket.remaining(), bucket.seconds_until_full(now))
 
     def _expire(self, now: float) -> None:
@@ -145,12 +170,24 @@ class RateLimiter:
 
 
 def route_family(method: str, path: str) -> str:
-    """classify, admin (state-changing /v1 calls) or read (everything else)."""
+    """classify, admin (state-changing /v1 calls) or read (everything else), by the
+    request's shape alone (also the metrics' label); ``RateLimitMiddleware`` charges
+    only requests for routes that exist."""
     if path == "/v1/classify":
         return "classify"
     if method == "POST" and path.startswith("/v1/"):
         return "admin"
     return "read"
+
+
+def route_exists(scope: Scope) -> bool:
+    """Whether the app has a route for this path and method: anything else is answered
+    404 or 405 without any work, so it is not charged. (Starlette puts the app in the
+    scope before its middleware runs; without one, every request counts.)"""
+    routes = getattr(getattr(scope.get("app"), "router", None), "routes", None)
+    if routes is None:
+        return True
+    return any(route.matches(scope)[0] is Match.FULL for route in routes)
 
 
 def client_key(scope: Scope) -> str:
@@ -163,21 +200,45 @@ def client_key(scope: Scope) -> str:
     return str(peer[0])
 
 
+def authorization(scope: Scope) -> str:
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            return bytes(value).decode("latin-1")
+    return ""
+
+
 class RateLimitMiddleware:
     """ASGI middleware: 429 before anything else is done for a request over its rate; each
-    refusal is counted in ``stats``."""
+    refusal is counted in ``stats``. ``is_admin`` says whether an Authorization header
+    holds the admin token or a dashboard session."""
 
-    def __init__(self, app: ASGIApp, limiter: RateLimiter, stats: RequestStats) -> None:
+    def __init__(self, app: ASGIApp, limiter: RateLimiter, stats: RequestStats,
+                 is_admin: Callable[[str], bool]) -> None:
         self.app = app
         self.limiter = limiter
         self.stats = stats
+        self.is_admin = is_admin
+
+    def charge(self, scope: Scope) -> Decision:
+        """Take this request's token from its client's bucket for its family, and from
+        the family's global bucket unless it is exempt; nothing for a handshake or a route
+        that does not exist."""
+        path = scope["path"]
+        if path in HANDSHAKES or not route_exists(scope):
+            return Decision(True, 0, 0, 0.0)
+        family = route_family(scope["method"], path)
+        client = client_key(scope)
+        header = authorization(scope)
+        if header and self.is_admin(header):
+            return self.limiter.check(family, client + _ADMIN_CALLER,
+                                      shared=family == "classify")
+        return self.limiter.check(family, client, shared=path not in NOT_GLOBAL)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        decision = self.limiter.check(route_family(scope["method"], scope["path"]),
-                                      client_key(scope))
+        decision = self.charge(scope)
         if not decision.allowed:
             error = RateLimited("Too many requests. Wait for the number of seconds in "
                                 "Retry-After, then send again.",

@@ -1,10 +1,14 @@
-"""How the dashboard page gets admin rights without the token ever being in a page.
+"""How the dashboard page gets a few admin rights without the token ever being in a page.
 
-The tray (which can read the token file) asks for a one-time link; the link
-carries a code in its #fragment (never sent to servers or kept in logs). The
-page trades the code, once, within two minutes, for a session token that
-admin endpoints accept for 12 hours. A page from any other site cannot do the
-trade: its Origin is refused before any route runs.
+The tray (which can read the token file) asks for a one-time code and writes a private
+file that sends the browser to ``/ui#code=…``: the code is in the #fragment (never sent
+to servers or kept in logs) and never on a command line, where other users could read
+it. The page trades the code, once, within two minutes, for a session token.
+
+A session buys little: emptying the cache and resetting the peak (``SESSION_ACTIONS``),
+never pausing, shutting down or asking for a new code, so a session cannot renew
+itself. It ends ``SESSION_MAX_S`` after the trade, however much it is used. A page
+from any other site cannot do the trade: its Origin is refused before any route runs.
 """
 
 from __future__ import annotations
@@ -14,8 +18,12 @@ import time
 from collections.abc import Callable
 
 CODE_TTL_S = 120.0
-SESSION_TTL_S = 12 * 3600.0
+SESSION_MAX_S = 8 * 3600.0
 MAX_ENTRIES = 64
+SESSION_ACTIONS = frozenset({("POST", "/v1/memory/empty-cache"),
+                             ("POST", "/v1/memory/reset-peak")})
+"""(method, path) of every admin action a dashboard session may take; all others need
+the admin token."""
 
 
 class UiSessions:
@@ -44,7 +52,7 @@ class UiSessions:
             return None
         self._prune(self._sessions)
         token = secrets.token_urlsafe(32)
-        self._sessions[token] = self.clock() + SESSION_TTL_S
+        self._sessions[token] = self.clock() + SESSION_MAX_S  # fixed now: never extended
         return token
 
     def valid(self, token: str) -> bool:
