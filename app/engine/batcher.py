@@ -18,6 +18,7 @@ image the device thread measures on its own batches.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import statistics
 import threading
@@ -42,6 +43,17 @@ RATE_WINDOW = 15
 # rest absorbs its reading and decoding and the swings of the measured rate, so that
 # little admitted work expires after it was read and decoded.
 ADMISSION_SHARE = 0.8
+
+
+def _without_traceback(exc: Exception) -> Exception:
+    """A copy of a batch's exception for its requests to keep: the original's traceback
+    holds the batch's frames, and with them its tensors (on a GPU, its activations), for
+    as long as any request holds the exception."""
+    try:
+        clone = copy.copy(exc)  # type, args and attributes; no traceback, cause or context
+    except Exception:
+        clone = RuntimeError(str(exc))
+    return clone.with_traceback(None)
 
 
 @dataclass(eq=False)
@@ -159,6 +171,11 @@ class MicroBatcher(Generic[P, R]):
     @property
     def reserved(self) -> int:
         return self._reserved
+
+    @property
+    def backlog(self) -> int:
+        """Images admitted and not yet in a batch: being read or decoded, or queued."""
+        return self._reserved + len(self._queue)
 
     @property
     def queue_depth(self) -> int:
@@ -354,7 +371,7 @@ class MicroBatcher(Generic[P, R]):
             log.exception("batch of %d failed", len(batch))
             self.stats.failed_batches += 1
             for item in batch:
-                item.future.set_exception(exc)
+                item.future.set_exception(_without_traceback(exc))
         else:
             for item, result in zip(batch, results, strict=True):
                 if isinstance(result, BaseException):

@@ -20,6 +20,7 @@ from typing import TypeVar
 
 from app.config import Settings
 from app.engine.batcher import MicroBatcher, Reservation
+from app.engine.cpu_threads import CpuThreads
 from app.engine.device import resolve_device
 from app.engine.oom import OomRecovery, Outcome
 from app.engine.predictor import Prediction, Predictor, Sample
@@ -93,6 +94,7 @@ class InferenceEngine:
         self.last_report: MemoryReport | None = None
         wait_s = settings.max_wait_ms / 1000 if settings.max_wait_ms is not None else (
             GPU_DEFAULT_WAIT_S if self.device.type == "cuda" else 0.0)
+        self._cpu_threads = CpuThreads() if self.device.type == "cpu" else None
         self.batcher: MicroBatcher[Sample, Outcome] = MicroBatcher(
             self._run_batch, max_batch=1, max_wait_s=wait_s, queue_size=settings.queue_size,
             batch_limit=self._batch_limit)
@@ -218,6 +220,8 @@ class InferenceEngine:
         if runtime is None:
             raise RuntimeError("a batch ran before warmup finished")
         guard, probe = runtime.guard, runtime.probe
+        if self._cpu_threads is not None:
+            self._cpu_threads.fit(others_busy=self.batcher.backlog > 0)
         outcomes = runtime.recovery(samples)
         measured = probe.batch_peak()
         usage = measured if measured is not None else guard.fit.peak(len(samples))
