@@ -9,6 +9,9 @@
     installer\build_installer.py, where all the build logic lives.
     Needs Python 3.11 (the "py" launcher) and, for the installer, NSIS 3
     (winget install NSIS.NSIS).
+    Windows' default execution policy runs no script; start this one with
+    powershell -ExecutionPolicy Bypass -File .\build.ps1, which allows this one run
+    and changes no setting.
 
 .PARAMETER Cpu
     Build with CPU-only torch: a much smaller bundle that never uses the GPU.
@@ -19,16 +22,21 @@
 .PARAMETER Compressor
     lzma (smallest download, the default) or zlib (several times faster to build).
 
+.PARAMETER PartSizeMB
+    Most MiB of the bundle in each installer file (default: the installer's 1.5 GiB).
+    The CI uses small parts so that even the CPU build comes in several.
+
 .EXAMPLE
-    .\build.ps1
-    .\build.ps1 -Cpu -NoInstaller
+    powershell -ExecutionPolicy Bypass -File .\build.ps1
+    powershell -ExecutionPolicy Bypass -File .\build.ps1 -Cpu -NoInstaller
 #>
 [CmdletBinding()]
 param(
     [switch]$Cpu,
     [switch]$NoInstaller,
     [ValidateSet("lzma", "zlib")]
-    [string]$Compressor = "lzma"
+    [string]$Compressor = "lzma",
+    [int]$PartSizeMB = 0
 )
 
 $ErrorActionPreference = "Stop"
@@ -37,16 +45,27 @@ Set-StrictMode -Version Latest
 # torch and torchvision: the same versions as pyproject.toml (a test checks they agree).
 $TorchVersion = "2.14.1"
 $TorchvisionVersion = "0.29.1"
-$TorchIndex = if ($Cpu) { "https://download.pytorch.org/whl/cpu" } else { "https://download.pytorch.org/whl/cu130" }
+# Each flavour has its own venv and pins its local version: "torch==2.14.1" alone is
+# satisfied by 2.14.1+cpu, so a shared venv shipped whichever flavour it had first.
+$Flavour = if ($Cpu) { "cpu" } else { "cu130" }
+$TorchIndex = "https://download.pytorch.org/whl/$Flavour"
 
 $Root = $PSScriptRoot
-$Venv = Join-Path $Root ".venv-build"
+$Venv = Join-Path $Root ".venv-build-$Flavour"
 $Python = Join-Path $Venv "Scripts\python.exe"
 
+# Runs a native program and judges it by its exit code alone. Windows PowerShell 5.1
+# turns each line such a program writes to stderr into an error when output is
+# redirected, and "Stop" would end the build at pip's first warning.
 function Invoke-Step {
     param([string]$What, [scriptblock]$Command)
     Write-Host "==> $What"
-    & $Command
+    $ErrorActionPreference = "Continue"
+    $global:LASTEXITCODE = $null
+    & $Command 2>&1 | ForEach-Object { "$_" }
+    if ($null -eq $LASTEXITCODE) {
+        throw "build.ps1: '$What' did not start"
+    }
     if ($LASTEXITCODE -ne 0) {
         throw "build.ps1: '$What' failed (exit code $LASTEXITCODE)"
     }
@@ -58,8 +77,8 @@ try {
         Invoke-Step "Create the build environment (Python 3.11)" { py -3.11 -m venv $Venv }
     }
     Invoke-Step "Update pip" { & $Python -m pip install --upgrade pip }
-    Invoke-Step "Install torch $TorchVersion from $TorchIndex" {
-        & $Python -m pip install "torch==$TorchVersion" "torchvision==$TorchvisionVersion" --index-url $TorchIndex
+    Invoke-Step "Install torch $TorchVersion+$Flavour from $TorchIndex" {
+        & $Python -m pip install "torch==$TorchVersion+$Flavour" "torchvision==$TorchvisionVersion+$Flavour" --index-url $TorchIndex
     }
     Invoke-Step "Install vramguard and PyInstaller" { & $Python -m pip install -e ".[package]" }
 
@@ -79,10 +98,12 @@ try {
         }
         $env:PATH = "$(Split-Path $Candidate);$env:PATH"
     }
-    Invoke-Step "Compile the installer" {
-        & $Python installer\build_installer.py --bundle dist\vramguard --out dist\installer `
-            --compressor $Compressor --icon build\pyinstaller\vramguard.ico
-    }
+    $InstallerArgs = @("installer\build_installer.py", "--bundle", "dist\vramguard",
+        "--out", "dist\installer", "--compressor", $Compressor,
+        "--icon", "build\pyinstaller\vramguard.ico")
+    # The comma binds tighter than "*" in PowerShell: the product needs its brackets.
+    if ($PartSizeMB) { $InstallerArgs += @("--part-size", ($PartSizeMB * 1MB)) }
+    Invoke-Step "Compile the installer" { & $Python @InstallerArgs }
     Write-Host "Installer: $(Join-Path $Root 'dist\installer') (ship every .exe in it together)"
 }
 finally {

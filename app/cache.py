@@ -1,9 +1,9 @@
 """Result cache on disk (diskcache): the same image bytes are never classified twice.
 
 Desktop apps re-scan the same folders often. The key is the SHA-256 of the
-image bytes plus the model name and its weights fingerprint; the value is the
-full ranking, so one entry answers any later ``top_k``. Size-bounded; the
-oldest entries are evicted first.
+image bytes plus the model name, its weights fingerprint and the numerics it ran with
+(device type, TF32); the value is the full ranking, so one entry answers any later
+``top_k``. Size-bounded; the oldest entries are evicted first.
 
 Nothing read back from the folder is trusted, because any program that can write
 there can put anything in it. A value is plain bytes in vramguard's own format
@@ -43,8 +43,10 @@ DATABASE_FILES = ("cache.db", "cache.db-wal", "cache.db-shm")
 _VALUE_FILE = re.compile(r"[0-9a-f]{2}[/\\][0-9a-f]{2}[/\\][0-9a-f]{28}\.val")
 
 
-def cache_key(data: bytes, model: str, weights_version: str) -> str:
-    return f"{model}:{weights_version}:{hashlib.sha256(data).hexdigest()}"
+def cache_key(data: bytes, model: str, weights_version: str, numerics: str) -> str:
+    """``numerics`` is ``predictor.numerics(device)``: the device type and TF32 setting,
+    since a GPU's scores differ from the CPU's by about 1e-3."""
+    return f"{model}:{weights_version}:{numerics}:{hashlib.sha256(data).hexdigest()}"
 
 
 class UnusableEntry(ValueError):

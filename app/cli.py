@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                               "shortcut); without a display, just the server.")
     _add_common(run)
     run.add_argument("--port", type=int, help=fields["port"].description)
+    run.add_argument("--keep-server", action="store_true",
+                     help="Keep the server running when the tray ends (Quit, or the "
+                     "launcher being ended); stop it later with `vramguard stop`.")
 
     doctor = commands.add_parser("doctor", help="Check torch, the GPU and the model.")
     _add_common(doctor)
@@ -70,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-CLI_ONLY = ("command", "config", "timeout_s", "launched_by")  # options that are not settings
+# options that are not settings
+CLI_ONLY = ("command", "config", "timeout_s", "launched_by", "keep_server")
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -93,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "stop":
         return stop(settings, args.port, args.timeout_s)
     if args.command in ("tray", "run"):
-        return tray_command(settings, start_server=args.command == "run", argv=argv)
+        return tray_command(settings, start_server=args.command == "run", argv=argv,
+                            keep_server=getattr(args, "keep_server", False))
     from app.doctor import run_doctor
 
     return run_doctor(settings, config_file_in_use(args.config))

@@ -147,7 +147,13 @@ class Settings(BaseSettings):
                                             "limit on tensor memory that fails like a full "
                                             "GPU (for testing OOM recovery).")
     idle_release_s: float = Field(60.0, ge=0, description="Give cached GPU memory back to "
-                                  "other programs after this many idle seconds (0: never).")
+                                  "other programs after this many idle seconds (0: never, "
+                                  "unless the cache is fragmented).")
+    large_allocation_bytes: ByteSize = Field(ByteSize(50 * 1024**2), ge=0, description="Log "
+                                             "once, with where it was made, any single "
+                                             "allocation larger than this that takes a "
+                                             "batch beyond the memory measured for it at "
+                                             "warmup (0: off).")
     allow_remote: bool = Field(False, description="Allow listening on an address other "
                                "computers can reach (host other than 127.0.0.1/localhost).")
     allowed_hosts: list[str] = Field(default_factory=list, description="Extra host names "

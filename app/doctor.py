@@ -46,6 +46,34 @@ def _native_libraries(settings: Settings) -> int:
     return problems + (not driver.ok and wants_gpu)
 
 
+DRIVER_MODEL_NOTES = {
+    "WDDM": "WDDM (Windows display mode: the driver does not report each program's use)",
+    "TCC": "TCC (Windows compute-only mode)",
+    "MCDM": "MCDM (Windows compute mode)",
+}
+
+
+def _nvidia_driver(cuda_available: bool) -> None:
+    """What NVML says about the driver: version, driver model (Windows only) and MIG mode,
+    which decide where vramguard's memory figures can come from."""
+    import torch
+
+    from app.engine.device import SYSMEM_FALLBACK_ADVICE, driver_verdict
+    from app.memory.nvml import Nvml
+
+    nvml = Nvml.open()
+    version, version_ok = driver_verdict(nvml.driver_version(), torch.version.cuda) \
+        if nvml else ("not found (normal without an NVIDIA GPU)", not cuda_available)
+    _line("NVIDIA driver (NVML)", version, ok=version_ok)
+    model = nvml.driver_model() if nvml else "n/a"
+    _line("driver model", DRIVER_MODEL_NOTES.get(model, model))
+    if model == "WDDM":
+        _line("  advice", SYSMEM_FALLBACK_ADVICE)
+    mig = nvml.mig_enabled() if nvml else None
+    _line("MIG mode", "n/a" if mig is None else "on (memory figures come from CUDA, for this "
+          "GPU instance)" if mig else "off")
+
+
 def run_doctor(settings: Settings, config_file: Path) -> int:
     """Print one line per check; exit status 1 when any check found a problem."""
     _line("vramguard", __version__)
@@ -61,9 +89,10 @@ def run_doctor(settings: Settings, config_file: Path) -> int:
               "likely cause")
         return 1
 
-    from app.engine.device import DeviceError, resolve_device
+    from app.engine.device import DeviceError, resolve_device, unsupported_gpu
     from app.engine.engine import InferenceEngine
-    from app.memory.nvml import Nvml
+    from app.memory.diagnostics import IDLE_PERIOD_S, cache_verdict, leak_check_verdict
+    from app.memory.probes import CpuProbe
     from app.models import ModelLoadError
     from app.units import human_bytes
 
@@ -79,12 +108,13 @@ def run_doctor(settings: Settings, config_file: Path) -> int:
     for index in range(torch.cuda.device_count() if cuda else 0):
         props = torch.cuda.get_device_properties(index)
         _line(f"  cuda:{index}", f"{props.name}, {props.total_memory / 1024**3:.1f} GiB")
-    nvml = Nvml.open()
-    _line("NVIDIA driver (NVML)", f"{nvml.driver_version()}" if nvml else "not found (normal "
-          "without an NVIDIA GPU)", ok=nvml is not None or not cuda)
+    _nvidia_driver(cuda)
     try:
         device = resolve_device(settings.device)
         _line("device", f"{device} (setting: {settings.device})")
+        if cuda and device.type == "cpu" and (too_old := unsupported_gpu(0)):
+            _line("  why not the GPU", f"{too_old}; vramguard runs on the CPU (slower)",
+                  ok=False)
     except DeviceError as exc:
         _line("device", exc, ok=False)
         return 1
@@ -104,6 +134,10 @@ def run_doctor(settings: Settings, config_file: Path) -> int:
           f"({runtime.warmup.throughput_at(engine.batcher.max_batch):.1f} images/s at warmup)")
     _line("memory per batch", f"{human_bytes(fit.fixed_bytes)} + "
           f"{human_bytes(fit.bytes_per_sample)} per image (measured at warmup)")
+    reading, probe = runtime.probe.read(), runtime.probe
+    _line("allocator cache", cache_verdict(reading.device, reading.allocated, reading.reserved))
+    _line("leak check", leak_check_verdict(not isinstance(probe, CpuProbe) or probe.tracker
+                                           is not None, settings.idle_release_s or IDLE_PERIOD_S))
     print("   budget:")
     for text in runtime.guard.budget.lines():
         print(f"     {text}")

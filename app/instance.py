@@ -34,6 +34,7 @@ else:
 
 
 PROBE_RETRIES = 4
+REPLACE_RETRIES = 5  # an antivirus scanning the new file holds it for a moment (Windows)
 START_TOLERANCE_S = 1.0
 """Start times are read from the wall clock (boot time + ticks since boot); a small step
 of the clock between writing and checking must not make vramguard a stranger. A reused
@@ -61,6 +62,29 @@ def _paths(folder: Path, port: int) -> tuple[Path, Path]:
     return folder / f"instance-{port}.lock", folder / f"instance-{port}.json"
 
 
+def _stop_marker(folder: Path, port: int) -> Path:
+    return folder / f"stopping-{port}"
+
+
+def request_stop(folder: Path, port: int) -> None:
+    """Record that `vramguard stop` is ending the server on this port, so that the tray
+    which started it does not take its exit (whatever the status: on Windows an ended
+    process exits 15) for a crash and restart it. The next server to start clears it."""
+    private_folder(folder)
+    marker = _stop_marker(folder, port)
+    marker.unlink(missing_ok=True)
+    os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NO_FOLLOW, 0o600))
+
+
+def stop_requested(folder: Path, port: int, since: float) -> bool:
+    """Whether `vramguard stop` asked the server on this port to stop at or after
+    ``since`` (wall-clock seconds: when the tray started that server)."""
+    try:
+        return _stop_marker(folder, port).lstat().st_mtime >= since - START_TOLERANCE_S
+    except OSError:
+        return False
+
+
 def _open_lock(path: Path, create: bool) -> int:
     flags = os.O_RDWR | NO_FOLLOW | (os.O_CREAT if create else 0)
     return os.open(path, flags, 0o600)
@@ -76,6 +100,30 @@ def _try_lock(fd: int) -> bool:
     except OSError:
         return False
     return True
+
+
+def _unlock(fd: int) -> None:
+    """Release the lock before its handle is closed: Windows frees a region lock left on a
+    closed handle only when it gets round to it, and until then the next server on this
+    port (a restart, say) finds the port taken."""
+    with contextlib.suppress(OSError):
+        if sys.platform == "win32":
+            os.lseek(fd, 0, os.SEEK_SET)
+            msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)
+        else:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+
+
+def _replace(source: str, target: Path) -> None:
+    """os.replace, tried again for a moment while another program holds the target."""
+    for attempt in range(REPLACE_RETRIES):
+        try:
+            os.replace(source, target)
+            return
+        except PermissionError:
+            if attempt == REPLACE_RETRIES - 1:
+                raise
+            time.sleep(0.05 * 2**attempt)
 
 
 def start_time(pid: int) -> float | None:
@@ -123,6 +171,7 @@ class InstanceLock:
             os.close(fd)
             return False
         self._fd = fd
+        _stop_marker(self.folder, self.port).unlink(missing_ok=True)  # an earlier stop's
         try:
             self._describe(url, launcher_pid)
         except OSError:
@@ -145,7 +194,7 @@ class InstanceLock:
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as handle:
                 json.dump(info, handle)
-            os.replace(temporary, self.info_path)
+            _replace(temporary, self.info_path)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(temporary)
@@ -153,6 +202,7 @@ class InstanceLock:
     def release(self) -> None:
         if self._fd is not None:
             self.info_path.unlink(missing_ok=True)
+            _unlock(self._fd)
             os.close(self._fd)
             self._fd = None
 
@@ -165,7 +215,10 @@ def is_held(folder: Path, port: int) -> bool:
     except OSError:  # none, or a link: nobody holds a lock there
         return False
     try:
-        return not _try_lock(fd)
+        if not _try_lock(fd):
+            return True
+        _unlock(fd)
+        return False
     finally:
         os.close(fd)
 

@@ -118,14 +118,24 @@ def flush_repeats() -> None:
         throttle.flush()
 
 
-def setup_logging(level: str, log_dir: Path | None) -> Path | None:
+DEFAULT_PORT = 8765
+
+
+def log_file_name(port: int = DEFAULT_PORT) -> str:
+    """One file per port: two servers rotating one file would each rename it while the
+    other has it open, which Windows refuses (and the two logs would interleave)."""
+    return "vramguard.log" if port == DEFAULT_PORT else f"vramguard-{port}.log"
+
+
+def setup_logging(level: str, log_dir: Path | None,
+                  port: int = DEFAULT_PORT) -> Path | None:
     """Send every logger (uvicorn's included) to the file (none when ``log_dir`` is None:
     the folder cannot be written) and to stderr; return the file."""
     handlers: list[logging.Handler] = [logging.StreamHandler()]
     path = None
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
-        path = log_dir / "vramguard.log"
+        path = log_dir / log_file_name(port)
         handlers.append(logging.handlers.RotatingFileHandler(
             path, maxBytes=MAX_BYTES, backupCount=BACKUPS, encoding="utf-8"))
     formatter = logging.Formatter(FORMAT)

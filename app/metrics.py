@@ -53,7 +53,18 @@ MEMORY_GAUGES: dict[str, tuple[Callable[[MemoryReport], int], str]] = {
                            "Memory use the watermarks are compared with."),
     "bytes_per_sample": (lambda r: r.bytes_per_sample, "Measured memory per image (k)."),
     "max_batch_now": (lambda r: r.max_batch_now, "Images that fit in a batch now."),
+    "leak_suspected": (lambda r: int(r.leak_suspected),
+                       "1 while memory left in use keeps rising over idle periods."),
+    "leak_growth_bytes": (lambda r: r.leak_growth_bytes,
+                          "Memory held at the last idle period beyond the warm level."),
 }
+# Series that only a GPU with NVML gives: absent from a CPU's /metrics, not zero, so that
+# a rule on them cannot fire (or be satisfied) on a machine that has no such figure.
+GPU_GAUGES: dict[str, tuple[Callable[[MemoryReport], float | None], str]] = {
+    "gpu_utilization_ratio": (lambda r: r.gpu_utilization_ratio,
+                              "Share of time the GPU ran work, any program's (NVML)."),
+}
+GPU_ONLY_SERIES = frozenset(f"vramguard_{name}" for name in GPU_GAUGES)
 OOM_COUNTERS: dict[str, tuple[Callable[[MemoryReport], int], str]] = {
     "oom_events": (lambda r: r.oom_events, "Out-of-memory errors in a forward pass."),
     "oom_recoveries": (lambda r: r.oom_recoveries,
@@ -64,6 +75,10 @@ OOM_COUNTERS: dict[str, tuple[Callable[[MemoryReport], int], str]] = {
     "idle_releases": (lambda r: r.idle_releases,
                       "Times cached memory was given back while idle."),
     "cache_empties": (lambda r: r.cache_empties, "Empty-cache requests (tray, dashboard, API)."),
+    "fragmentation_releases": (lambda r: r.fragmentation_releases,
+                               "Idle releases of a cache holding 5 times what was in use."),
+    "large_allocations": (lambda r: r.large_allocations,
+                          "Places logged for an allocation beyond a batch's measured need."),
 }
 
 
@@ -101,6 +116,9 @@ class AppCollector(Collector):
     def _memory(report: MemoryReport) -> Iterator[Metric]:
         for name, (read, doc) in MEMORY_GAUGES.items():
             yield GaugeMetricFamily(f"vramguard_{name}", doc, value=read(report))
+        for name, (read_gpu, doc) in GPU_GAUGES.items():
+            if (figure := read_gpu(report)) is not None:
+                yield GaugeMetricFamily(f"vramguard_{name}", doc, value=figure)
         family = GaugeMetricFamily("vramguard_memory_state", "1 for the current memory "
                                    "state (ok, high, shedding).", labels=["state"])
         for state in GuardState:

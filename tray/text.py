@@ -38,13 +38,16 @@ def gauge_of(sample: LiveSample | None) -> Gauge:
 
 
 def tooltip(sample: LiveSample | None) -> str:
-    """e.g. 'vramguard: healthy, 38% of budget, peak 61%' (at most 127 characters)."""
+    """e.g. 'vramguard: healthy, 38% of budget, peak 61%, GPU 40% busy' (at most 127
+    characters; the GPU part only where NVML reports it)."""
     gauge = gauge_of(sample)
     if sample is None:
         text = "vramguard: not running"
     else:
         text = (f"vramguard: {STATE_WORDS.get(gauge.state, gauge.state)}, "
                 f"{gauge.used:.0%} of budget, peak {gauge.peak:.0%}")
+        if sample.gpu_utilization_ratio is not None:
+            text += f", GPU {sample.gpu_utilization_ratio:.0%} busy"
         if sample.paused:
             text += " (paused)"
     return text[:TOOLTIP_LIMIT]
@@ -66,19 +69,39 @@ def menu_lines(sample: LiveSample | None) -> list[str]:
         f"State: {STATE_WORDS.get(gauge.state, gauge.state)}",
         f"Waiting: {sample.queue_depth}, batch up to {sample.max_batch_now}",
     ]
+    if sample.gpu_utilization_ratio is not None:
+        lines.append(f"GPU busy: {sample.gpu_utilization_ratio:.0%} of the time (all programs)")
+    if sample.leak_suspected:
+        lines.append(f"Possible leak: {human_bytes(sample.leak_growth_bytes)} more kept "
+                     "than at start")
     if sample.paused:
         lines.append("Paused: images are refused until you resume")
     return lines
 
 
 class Notifier:
-    """Says something when memory enters 'high' or 'shedding': once per episode.
+    """Says something when memory enters 'high' or 'shedding', and when a leak is
+    suspected: once per episode.
 
-    An episode ends when the state is back to 'ok'.
+    A memory episode ends when the state is back to 'ok'; a leak episode when the
+    server no longer suspects one. A leak does not change the state (or the icon's
+    colour): memory may still be well within the budget.
     """
 
     def __init__(self) -> None:
         self._warned: str | None = None
+        self._leak_warned = False
+
+    def leak(self, suspected: bool, growth: int) -> str | None:
+        if not suspected:
+            self._leak_warned = False
+            return None
+        if self._leak_warned:
+            return None
+        self._leak_warned = True
+        return (f"vramguard keeps {human_bytes(growth)} more memory after each quiet spell "
+                "than when it started: something is holding on to old work. Restarting "
+                "vramguard gives that memory back.")
 
     def update(self, state: str) -> str | None:
         if state == "ok" or state == "down":

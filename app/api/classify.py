@@ -14,7 +14,7 @@ from fastapi import APIRouter, Query, Request
 from starlette.datastructures import UploadFile
 
 from app.cache import cache_key
-from app.engine.predictor import Ranked, Sample
+from app.engine.predictor import Ranked, Sample, numerics
 from app.errors import BadRequest, ClientGone, NotFound, UnsupportedMediaType, too_busy_to_start
 from app.gates.body_limit import body_done
 from app.models import LoadedModel
@@ -86,7 +86,7 @@ def _prepare(state: AppState, model: LoadedModel, data: bytes, deadline: float
     pixels, decoded and preprocessed by a decode worker process before ``deadline``."""
     key = None
     if state.cache is not None:
-        key = cache_key(data, model.name, model.weights_version)
+        key = cache_key(data, model.name, model.weights_version, numerics(model.device))
         hit = state.cache.get(key)
         if hit is not None and len(hit.indices) == len(model.labels):  # else not this model's
             return key, hit

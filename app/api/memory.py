@@ -24,6 +24,12 @@ admin = APIRouter(dependencies=[Depends(require_admin)],
                              503: {"model": ErrorResponse}})
 
 
+# Python stacks only: "all" (C++ frames too) is refused on Windows and symbolises on the
+# device thread, stalling every batch. The newest allocations and frees are kept: enough
+# for many batches' pattern, while the snapshot stays small enough for the visualiser.
+HISTORY_MAX_ENTRIES = 50_000
+
+
 def _dump_snapshot(path: Path) -> None:
     """Write the recorded allocator history to ``path`` (on the device thread)."""
     torch.cuda.memory._dump_snapshot(str(path))  # type: ignore[no-untyped-call]  # no hints in torch
@@ -63,8 +69,8 @@ async def reset_peak(request: Request) -> dict[str, int]:
 @admin.post("/v1/memory/record-history", summary="Record allocator history (admin, GPU only)")
 async def record_history(request: Request,
                          seconds: Annotated[float, Query(gt=0, le=300)] = 10) -> dict[str, Any]:
-    """Record every CUDA allocation for ``seconds`` and write a snapshot file that
-    PyTorch's memory visualizer (pytorch.org/memory_viz) opens."""
+    """Record CUDA allocations (the newest 50,000, with Python stacks) for ``seconds`` and
+    write a snapshot file that PyTorch's memory visualizer (pytorch.org/memory_viz) opens."""
     engine = _engine(request)
     if engine.device.type != "cuda":
         raise Conflict("Allocator history exists only on an NVIDIA GPU; this appliance "
@@ -72,7 +78,8 @@ async def record_history(request: Request,
     folder = Path(platformdirs.user_data_dir(APP_NAME, appauthor=False)) / "memory-snapshots"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / time.strftime("snapshot-%Y%m%d-%H%M%S.pickle")
-    await engine.on_device(lambda: torch.cuda.memory._record_memory_history(max_entries=200_000))
+    await engine.on_device(lambda: torch.cuda.memory._record_memory_history(
+        stacks="python", max_entries=HISTORY_MAX_ENTRIES))
     try:
         await asyncio.sleep(seconds)
         await engine.on_device(lambda: _dump_snapshot(path))

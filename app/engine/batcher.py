@@ -46,9 +46,10 @@ ADMISSION_SHARE = 0.8
 
 
 def _without_traceback(exc: Exception) -> Exception:
-    """A copy of a batch's exception for its requests to keep: the original's traceback
+    """A copy of a batch's exception for one request to keep: the original's traceback
     holds the batch's frames, and with them its tensors (on a GPU, its activations), for
-    as long as any request holds the exception."""
+    as long as any request holds the exception. One copy per request, because each
+    handler that raises it adds its own frames to its traceback."""
     try:
         clone = copy.copy(exc)  # type, args and attributes; no traceback, cause or context
     except Exception:
@@ -143,6 +144,10 @@ class MicroBatcher(Generic[P, R]):
         self._recent: deque[float] = deque(maxlen=RATE_WINDOW)  # seconds per image
         self._last_end: float | None = None  # when the last batch ended
         self._backlog = False  # images were waiting when it ended
+        # Only full batches are measured: the wait that admission predicts matters when a
+        # backlog forms, and then batches are full. A lone image's batch costs more per
+        # image (on a GPU, nearly as much as a full batch) and would refuse bursts.
+        self._full = False
         self.stats = BatcherStats()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
 
@@ -330,6 +335,7 @@ class MicroBatcher(Generic[P, R]):
             else:  # withdrawn just now
                 self.stats.cancelled += 1
         self._in_flight = len(batch)
+        self._full = len(batch) >= limit
         return batch, dropped
 
     def _drop_stale(self, now: float, dropped: list[tuple[WorkItem[P, R], Exception]]) -> None:
@@ -366,7 +372,8 @@ class MicroBatcher(Generic[P, R]):
             results = self._run_batch([item.payload for item in batch])
             if len(results) != len(batch):
                 raise RuntimeError(f"batch of {len(batch)} gave {len(results)} results")
-            self._measure(self._clock() - began, len(batch))
+            if self._full:
+                self._measure(self._clock() - began, len(batch))
         except Exception as exc:
             log.exception("batch of %d failed", len(batch))
             self.stats.failed_batches += 1

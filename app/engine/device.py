@@ -2,17 +2,59 @@
 
 from __future__ import annotations
 
+import logging
+import re
+
 import torch
+
+log = logging.getLogger("vramguard.device")
 
 
 class DeviceError(Exception):
     """The requested device does not exist on this computer."""
 
 
+def _version(arch: str) -> tuple[int, int] | None:
+    """``sm_86`` or ``compute_90a`` -> (8, 6) or (9, 0); None for a name not like that."""
+    match = re.fullmatch(r"(?:sm|compute)_(\d+)(\d)[a-z]?", arch)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def unsupported_gpu(index: int) -> str | None:
+    """Why this torch build cannot run on GPU ``index`` (None when it can, or when the
+    build does not say what it covers). CUDA 13 wheels carry kernels for Turing (7.5) and
+    newer and no PTX: an older GPU is found and named, then fails at its first
+    computation with "no kernel image is available"."""
+    arches = [(arch, _version(arch)) for arch in torch.cuda.get_arch_list()]
+    if not arches:
+        return None
+    major, minor = torch.cuda.get_device_capability(index)
+    for arch, version in arches:
+        if version is None:
+            continue
+        if arch.startswith("sm_") and version[0] == major and version[1] <= minor:
+            return None  # a binary runs on its own and later minor versions
+        if arch.startswith("compute_") and version <= (major, minor):
+            return None  # PTX is compiled for newer GPUs when loaded
+    oldest = min((v for _, v in arches if v is not None), default=None)
+    covered = f"compute capability {oldest[0]}.{oldest[1]} and newer" if oldest else \
+        ", ".join(arch for arch, _ in arches)
+    return (f"the GPU {torch.cuda.get_device_name(index)} (compute capability "
+            f"{major}.{minor}) is too old for this build of vramguard, which supports "
+            f"NVIDIA GPUs with {covered}")
+
+
 def resolve_device(setting: str) -> torch.device:
-    """`auto` takes the first NVIDIA GPU when there is one and the CPU otherwise."""
+    """`auto` takes the first NVIDIA GPU when there is one this build can use, and the
+    CPU otherwise (saying why in the log)."""
     if setting == "auto":
-        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        problem = unsupported_gpu(0)
+        if problem:
+            log.warning("Using the CPU instead of the GPU: %s.", problem)
+            return torch.device("cpu")
+        return torch.device("cuda:0")
     device = torch.device(setting)
     if device.type == "cuda":
         if not torch.cuda.is_available():
@@ -23,5 +65,34 @@ def resolve_device(setting: str) -> torch.device:
         if index >= torch.cuda.device_count():
             raise DeviceError(f"GPU {index} does not exist: this computer has "
                               f"{torch.cuda.device_count()} NVIDIA GPU(s).")
+        problem = unsupported_gpu(index)
+        if problem:
+            raise DeviceError(f"device is set to a GPU, but {problem}. Use --device cpu "
+                              "(or auto, which falls back to the CPU by itself).")
         device = torch.device("cuda", index)
     return device
+
+
+MIN_DRIVER = {12: 525, 13: 580}  # CUDA major version: the oldest NVIDIA driver that runs it
+SYSMEM_FALLBACK_ADVICE = (
+    "under WDDM the driver may move GPU memory into system memory when the GPU is full, "
+    "which turns an out-of-memory error into a slowdown of 10 times or more; vramguard "
+    "keeps within the GPU's memory itself, so turn that off: NVIDIA Control Panel > "
+    "Manage 3D settings > CUDA - Sysmem Fallback Policy > Prefer No Sysmem Fallback")
+
+
+def driver_verdict(driver_version: str, cuda_version: str | None) -> tuple[str, bool]:
+    """The driver's version against what this torch build's CUDA needs: (text, ok)."""
+    major = int(cuda_version.split(".")[0]) if cuda_version else None
+    needed = MIN_DRIVER.get(major) if major else None
+    try:
+        found = int(driver_version.split(".")[0])
+    except ValueError:
+        return driver_version, True
+    if needed is None:
+        return driver_version, True
+    if found < needed:
+        return (f"{driver_version}: too old for CUDA {cuda_version}, which needs "
+                f"{needed} or newer; update it from https://www.nvidia.com/drivers "
+                "(until then vramguard uses the CPU)", False)
+    return f"{driver_version} (CUDA {cuda_version} needs {needed} or newer)", True

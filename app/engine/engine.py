@@ -16,22 +16,28 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
+
+import torch
 
 from app.config import Settings
 from app.engine.batcher import MicroBatcher, Reservation
 from app.engine.cpu_threads import CpuThreads
 from app.engine.device import resolve_device
-from app.engine.oom import OomRecovery, Outcome
+from app.engine.oom import DeviceFailed, OomRecovery, Outcome, unless_out_of_memory
 from app.engine.predictor import Prediction, Predictor, Sample
-from app.engine.warmup import WarmupProfile, batch_sizes, profile
+from app.engine.warmup import OutOfMemoryAtWarmup, WarmupProfile, profile
 from app.errors import InsufficientMemory, NotReady, Paused
+from app.memory.allocations import LargeAllocationWatch
 from app.memory.budget import Budget
+from app.memory.diagnostics import IDLE_PERIOD_S, IdleFindings, MemoryDiagnostics
 from app.memory.fit import MemoryFit, fit_linear
 from app.memory.guard import GuardState, MemoryGuard
-from app.memory.probes import CpuProbe, MemoryReading, Probe, make_probe
+from app.memory.probes import CpuProbe, CudaProbe, MemoryReading, Probe, make_probe
 from app.models import LoadedModel, load_model
 from app.schemas import MemoryReport, ProfilePoint
+from app.units import human_bytes
 
 log = logging.getLogger("vramguard.engine")
 GPU_DEFAULT_WAIT_S = 0.002
@@ -86,10 +92,17 @@ class InferenceEngine:
         self.device = resolve_device(settings.device)
         self.phase = Phase.STARTING
         self.error: str | None = None
+        # A sticky CUDA error broke the device's context: no restart of it in-process.
+        self.device_lost = False
         self.runtime: Runtime | None = None
         self._peak_since_tick = 0
         self._last_activity = time.monotonic()
         self._released = True
+        self._batches_at_idle = 0  # batches served when the last idle period was diagnosed
+        self.diagnostics: MemoryDiagnostics | None = None
+        self._allocations = LargeAllocationWatch(int(settings.large_allocation_bytes))
+        self._recording_stacks = False
+        self._leak_snapshot: Path | None = None
         self.paused = False
         self.last_report: MemoryReport | None = None
         wait_s = settings.max_wait_ms / 1000 if settings.max_wait_ms is not None else (
@@ -158,6 +171,10 @@ class InferenceEngine:
         return outcome
 
     def not_ready_message(self) -> str:
+        if self.phase is Phase.FAILED and self.device_lost:
+            return (f"The graphics card stopped working ({self.error}) and cannot be used "
+                    "again by this vramguard. Quit vramguard and start it again; if it "
+                    "happens again, restart the computer.")
         if self.phase is Phase.FAILED:
             return f"The model could not be started: {self.error}"
         if self.phase is Phase.STOPPED:
@@ -180,22 +197,39 @@ class InferenceEngine:
         predictor = Predictor(model, keep_all=self.settings.cache)
         cap = int(self.settings.cpu_memory_cap) if self.settings.cpu_memory_cap else None
         probe = make_probe(self.device, weights_bytes(model), cap)
-        warmup = profile(lambda size: predictor(predictor.random_batch(size)),
-                         self.settings.max_batch_size, self.settings.target_latency_ms / 1000)
+        pool: list[Sample] = []
+
+        def inputs(size: int) -> list[Sample]:
+            """The first ``size`` of one growing set of random inputs: built once, reused
+            by every size and repeat (the sizes together would hold twice the memory)."""
+            if len(pool) < size:
+                pool.extend(predictor.random_batch(size - len(pool)))
+            return pool[:size]
+
+        warmup = profile(predictor, self.settings.max_batch_size,
+                         self.settings.target_latency_ms / 1000, build=inputs,
+                         free=probe.empty_cache)
+        chosen = self.settings.batch_size or warmup.chosen_batch_size
         tried = [t.batch_size for t in warmup.timings]
-        points = []
-        for size in (tried or batch_sizes(1))[:MEMORY_PROFILE_SIZES]:
-            batch = predictor.random_batch(size)
-            points.append((size, probe.measure_peak(functools.partial(predictor, batch))))
+        if warmup.out_of_memory_at is not None and chosen >= warmup.out_of_memory_at:
+            log.warning("batch size %d does not fit in memory: using %d", chosen, tried[-1])
+            chosen = tried[-1]
+        points = self._memory_points(predictor, probe, inputs, tried, chosen)
+        pool.clear()
+        if points[-1][0] < chosen:
+            log.warning("batch size %d does not fit in memory: using %d", chosen,
+                        points[-1][0])
+            chosen = points[-1][0]
         probe.empty_cache()
+        probe.set_baseline()
         reading = probe.read()
         memory = MemoryProfile(probe.weights, reading.overhead, reading.others,
                                fit_linear(points), points)
         budget = Budget(total=reading.total, fraction=self.settings.memory_fraction,
-                        weights=probe.weights, overhead=reading.overhead,
+                        weights=probe.weights, workspaces=probe.workspaces,
+                        overhead=reading.overhead,
                         cap=int(self.settings.memory_budget) if self.settings.memory_budget
                         else None)
-        chosen = self.settings.batch_size or warmup.chosen_batch_size
         guard = MemoryGuard(budget, memory.fit, max_batch=chosen,
                             high=self.settings.high_watermark, low=self.settings.low_watermark)
         probe.set_backstop(self.settings.memory_fraction)
@@ -210,6 +244,30 @@ class InferenceEngine:
         self.last_report = self._report(runtime)
         return runtime
 
+    @staticmethod
+    def _memory_points(predictor: Predictor, probe: Probe,
+                       inputs: Callable[[int], list[Sample]], tried: list[int],
+                       chosen: int) -> list[tuple[int, int]]:
+        """Peak memory of a batch at the first sizes tried, at the largest tried and at the
+        chosen one, smallest first, up to the first that runs out of memory.
+
+        The small sizes give the slope; the large ones are measured because cuDNN picks
+        an algorithm per shape and its workspace can jump with the batch size, which no
+        extrapolation from 1-8 would show (the fit is then raised to cover them)."""
+        sizes = sorted({*tried[:MEMORY_PROFILE_SIZES], tried[-1], chosen})
+        points: list[tuple[int, int]] = []
+        for size in sizes:
+            batch = inputs(size)
+            peak = unless_out_of_memory(
+                functools.partial(probe.measure_peak, functools.partial(predictor, batch)))
+            if peak is None:
+                probe.empty_cache()
+                if not points:
+                    raise OutOfMemoryAtWarmup()
+                break
+            points.append((size, peak))
+        return points
+
     def _batch_limit(self) -> int:
         if self.runtime is None:
             return self.batcher.max_batch
@@ -219,10 +277,18 @@ class InferenceEngine:
         runtime = self.runtime
         if runtime is None:
             raise RuntimeError("a batch ran before warmup finished")
+        if self.device_lost:  # queued before it failed: never touch the broken device again
+            raise NotReady(self.not_ready_message(), retry_after=5)
         guard, probe = runtime.guard, runtime.probe
         if self._cpu_threads is not None:
             self._cpu_threads.fit(others_busy=self.batcher.backlog > 0)
-        outcomes = runtime.recovery(samples)
+        try:
+            with self._allocations.batch(probe, len(samples),
+                                         guard.profiled.peak(len(samples))):
+                outcomes = runtime.recovery(samples)
+        except DeviceFailed as exc:
+            self.phase, self.error, self.device_lost = Phase.FAILED, str(exc), True
+            raise NotReady(self.not_ready_message(), retry_after=5) from None
         measured = probe.batch_peak()
         usage = measured if measured is not None else guard.fit.peak(len(samples))
         usage = max(usage, probe.held())
@@ -233,7 +299,8 @@ class InferenceEngine:
         return outcomes
 
     def tick(self) -> MemoryReading | None:
-        """Once a second: follow other programs' memory, update the state, release when idle."""
+        """Once a second: follow other programs' memory, update the state; once per quiet
+        spell after work, diagnose memory and give the cache back."""
         runtime = self.runtime
         if runtime is None:
             return None
@@ -243,17 +310,69 @@ class InferenceEngine:
         usage, self._peak_since_tick = max(self._peak_since_tick, probe.held()), 0
         guard.observe(usage)
         idle = time.monotonic() - self._last_activity
-        if (self.settings.idle_release_s and idle >= self.settings.idle_release_s
-                and not self._released and self.batcher.queue_depth == 0):
-            self.release()
-            guard.counters.idle_releases += 1
-            log.info("idle for %.0f s: cached memory given back", idle)
+        batches = self.batcher.stats.batches
+        if (idle >= (self.settings.idle_release_s or IDLE_PERIOD_S)
+                and batches != self._batches_at_idle and self.batcher.queue_depth == 0):
+            self._batches_at_idle = batches
+            self._idle_period(runtime, idle)
         self.last_report = self._report(runtime)
         return reading
 
+    def _idle_period(self, runtime: Runtime, idle: float) -> None:
+        """Diagnose what tensors still hold with nothing running, then give the cache back:
+        always with idle release on, and whatever the setting when it is fragmented."""
+        reading = runtime.probe.read()
+        found = self._diagnostics(reading).idle(reading.allocated, reading.reserved)
+        if found.fragmented or (self.settings.idle_release_s and not self._released):
+            self._release(runtime)
+            runtime.guard.counters.idle_releases += 1
+            log.info("idle for %.0f s: cached memory given back%s", idle,
+                     " (it held 5 or more times what was in use: fragmented)"
+                     if found.fragmented else "")
+        if isinstance(runtime.probe, CudaProbe):
+            self._trace_leak(found)
+        if found.leak_raised:
+            diagnostics = self._diagnostics(reading)
+            log.warning("possible memory leak: after each quiet spell vramguard keeps more "
+                        "memory in use than after the one before, now %s more than after "
+                        "warmup (levels: %s). Something keeps old work in memory; restarting "
+                        "vramguard gives it back.%s", human_bytes(diagnostics.leak_growth),
+                        ", ".join(human_bytes(level) for level in diagnostics.baselines),
+                        f" Allocator snapshot: {self._leak_snapshot}"
+                        if self._leak_snapshot else "")
+
+    def _diagnostics(self, reading: MemoryReading) -> MemoryDiagnostics:
+        """The diagnostics, started from the first reading after warmup (the warm level)."""
+        if self.diagnostics is None:
+            self.diagnostics = MemoryDiagnostics(reading.allocated)
+        return self.diagnostics
+
+    def _trace_leak(self, found: IdleFindings) -> None:
+        """CUDA only. From the first rise of memory left in use until it falls back, the
+        allocator keeps the Python stack of each live block (about 2 us per allocation),
+        so that the snapshot written the first time a leak is suspected shows where the
+        kept tensors were made; it is opened at pytorch.org/memory_viz."""
+        memory = torch.cuda.memory
+        if self._leak_snapshot is None and found.rising and not self._recording_stacks:
+            memory._record_memory_history(enabled="state", context="state", stacks="python")
+            self._recording_stacks = True
+        if found.leak_raised and self._leak_snapshot is None:
+            path = self.settings.log_dir / time.strftime("leak-snapshot-%Y%m%d-%H%M%S.pickle")
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                memory._dump_snapshot(str(path))  # type: ignore[no-untyped-call]  # no hints
+                self._leak_snapshot = path
+            except (OSError, RuntimeError) as exc:
+                log.warning("could not write the allocator snapshot %s: %s", path, exc)
+        if self._recording_stacks and (self._leak_snapshot is not None or not found.rising):
+            memory._record_memory_history(enabled=None)
+            self._recording_stacks = False
+
     def release(self) -> tuple[int, int]:
         """Empty the allocator cache and trust the profile again; bytes held before/after."""
-        runtime = self.require_runtime()
+        return self._release(self.require_runtime())
+
+    def _release(self, runtime: Runtime) -> tuple[int, int]:
         before = runtime.probe.read().reserved
         runtime.probe.empty_cache()
         runtime.guard.relax()
@@ -264,11 +383,12 @@ class InferenceEngine:
         """Everything /v1/memory shows; call on the device thread."""
         return self._report(self.require_runtime())
 
-    @staticmethod
-    def _report(runtime: Runtime) -> MemoryReport:
+    def _report(self, runtime: Runtime) -> MemoryReport:
         probe, guard, memory = runtime.probe, runtime.guard, runtime.memory
         reading = probe.read()
         counters = guard.counters
+        diagnostics = self._diagnostics(reading)
+        nvml = probe.nvml if isinstance(probe, CudaProbe) else None
         return MemoryReport(
             device=reading.device,
             source=reading.source,
@@ -302,6 +422,12 @@ class InferenceEngine:
             state_changes=counters.state_changes,
             idle_releases=counters.idle_releases,
             cache_empties=counters.cache_empties,
+            fragmentation_releases=diagnostics.fragmentation_releases,
+            leak_suspected=diagnostics.leak_suspected,
+            leak_growth_bytes=diagnostics.leak_growth,
+            idle_baselines_bytes=list(diagnostics.baselines),
+            large_allocations=self._allocations.logged,
+            gpu_utilization_ratio=nvml.utilization() if nvml is not None else None,
         )
 
     def reset_peak(self) -> tuple[int, int]:

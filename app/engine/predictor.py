@@ -1,16 +1,22 @@
 """The forward pass: stack, run the model, softmax and top-k on the device.
 
-Only the small ranked result is copied back to the host.
+Only the small ranked result is copied back to the host. On CUDA the batch is stacked
+into a reused pinned (page-locked) host buffer and copied to the GPU asynchronously:
+from pageable memory the driver first copies into a pinned bounce buffer of its own,
+and the copy blocks the device thread. On the CPU nothing is copied and nothing changes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from app.models import LoadedModel
+
+CUDNN_BENCHMARK = False  # why: see Predictor.__init__
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,65 @@ class Prediction:
     batch_size: int
 
 
+def numerics(device: torch.device) -> str:
+    """What, besides the model and the image, decides a result's last digits: the device
+    type and, on CUDA, whether TF32 may stand in for float32 in convolutions and matrix
+    products. A GPU's scores differ from the CPU's by about 1e-3; the result cache keys
+    by this so that an answer computed one way is never served as the other."""
+    if device.type != "cuda":
+        return device.type
+    backends: Any = torch.backends  # fp32_precision (torch >= 2.9) is not in torch's stubs
+    root = backends.fp32_precision
+    conv = _first_set(backends.cudnn.conv.fp32_precision, backends.cudnn.fp32_precision, root)
+    matmul = _first_set(backends.cuda.matmul.fp32_precision, root)
+    return f"cuda conv={conv} matmul={matmul}"
+
+
+def _first_set(*precisions: str) -> str:
+    """torch's fp32 precision of an operator family: its own, else its parent's ("none"
+    means inherit); unset throughout means full float32."""
+    return next((p for p in precisions if p != "none"), "ieee")
+
+
+class StagingBuffer:
+    """The host buffer each batch is stacked into, reused from batch to batch so that
+    page-locking memory (slow) is paid once, not per batch; it grows when a batch is
+    larger than any before."""
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self.buffer: torch.Tensor | None = None
+        self._copied: torch.cuda.Event | None = None
+
+    def stack(self, pixels: list[torch.Tensor]) -> torch.Tensor:
+        """``torch.stack(pixels)``, written into the buffer."""
+        self._wait()
+        first, count = pixels[0], len(pixels)
+        buffer = self.buffer
+        if (buffer is None or buffer.shape[0] < count or buffer.shape[1:] != first.shape
+                or buffer.dtype != first.dtype):
+            self.buffer = None  # give the old one back before taking a larger one
+            buffer = self.buffer = torch.empty((count, *first.shape), dtype=first.dtype,
+                                               pin_memory=self.pin)
+        return torch.stack(pixels, out=buffer[:count])
+
+    def upload(self, pixels: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """Stack into the pinned buffer and start the copy to ``device`` without waiting
+        for it (work queued after it on the stream runs after it)."""
+        on_device = self.stack(pixels).to(device, non_blocking=True)
+        self._copied = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch: no hints
+        self._copied.record(torch.cuda.current_stream(device))
+        return on_device
+
+    def _wait(self) -> None:
+        """Wait until the last copy out of the buffer is done before overwriting it. A
+        batch that completes has already waited (its results were copied back); one that
+        failed, such as an OOM about to be split and retried, may not have."""
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
+
+
 class Predictor:
     """Callable the batcher runs on the device thread.
 
@@ -51,11 +116,26 @@ class Predictor:
     def __init__(self, model: LoadedModel, keep_all: bool) -> None:
         self.model = model
         self.keep_all = keep_all
+        # cuDNN's autotuner off, explicitly (torch's default, but any import could flip
+        # it): with it on, the first batch of every new size tries each convolution
+        # algorithm, allocating each one's workspace, and keeps the fastest whatever its
+        # workspace. Serving sees every size from 1 to the batch size, so memory would
+        # jump mid-serving at sizes warmup never measured, differently from run to run.
+        # The heuristic choice is fixed per shape, so warmup's measurements hold.
+        torch.backends.cudnn.benchmark = CUDNN_BENCHMARK
+        self.staging = StagingBuffer(pin=True) if model.device.type == "cuda" else None
 
     def __call__(self, samples: list[Sample]) -> list[Prediction]:
+        """The whole batch call serving pays: stack, copy to the device, forward pass,
+        softmax and top-k, copy back (which waits for the device: the call is
+        synchronised)."""
         classes = self.model.num_classes
         k = classes if self.keep_all else min(classes, max(s.top_k for s in samples))
-        batch = torch.stack([s.pixels for s in samples]).to(self.model.device)
+        pixels = [s.pixels for s in samples]
+        if self.staging is None:
+            batch = torch.stack(pixels).to(self.model.device)
+        else:
+            batch = self.staging.upload(pixels, self.model.device)
         with torch.inference_mode():
             probs = self.model.module(batch).float().softmax(dim=-1)
             scores, indices = probs.topk(k, dim=-1)

@@ -3,14 +3,27 @@
 Bigger is not always faster: on a 2-core CPU EfficientNet-Lite0 is slower per
 image at batch 8 than at batch 4, while a GPU keeps gaining. So the appliance
 measures on its own device instead of assuming.
+
+Only the batch call serving pays is timed. Its inputs are built before the clock
+starts: random inputs cost 1.6 ms at batch 1 and 299 ms at 256 on one CPU thread,
+more than a GPU's whole forward pass, and timing them would understate the GPU
+severalfold. A size that runs out of memory (a small or busy GPU) ends the growth
+instead of the start.
 """
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
+
+from app.engine.oom import unless_out_of_memory
+
+log = logging.getLogger("vramguard.engine")
+Inputs = TypeVar("Inputs")  # whatever ``build`` makes for one batch
 
 
 @dataclass(frozen=True)
@@ -32,6 +45,7 @@ class WarmupProfile:
     timings: list[BatchTiming] = field(default_factory=list)
     chosen_batch_size: int = 1
     duration_s: float = 0.0
+    out_of_memory_at: int | None = None  # the batch size that ran out of memory, if any
 
     def throughput_at(self, batch_size: int) -> float:
         """Measured images/s at ``batch_size`` (or the largest size below it that was
@@ -74,35 +88,81 @@ def choose_batch_size(timings: list[BatchTiming], target_latency_s: float) -> in
     return max(t.batch_size for t in within if t.images_per_second >= NEAR_TIE * best)
 
 
+class OutOfMemoryAtWarmup(RuntimeError):
+    """Not even one image fits: the start fails, saying what to do."""
+
+    def __init__(self) -> None:
+        super().__init__("There is not enough memory to run the model on even one image. "
+                         "Close other programs that use the graphics card, then start "
+                         "vramguard again.")
+
+
+def timed(run: Callable[[Inputs], object], inputs: Inputs,
+          clock: Callable[[], float] = time.perf_counter) -> float | None:
+    """Seconds ``run(inputs)`` took; None when it ran out of memory."""
+    def call() -> float:
+        t0 = clock()
+        run(inputs)
+        return clock() - t0
+
+    return unless_out_of_memory(call)
+
+
+def _nothing() -> None:
+    """Nothing to give back (the CPU)."""
+
+
 def profile(
-    run: Callable[[int], object],
+    run: Callable[[Inputs], object],
     max_batch: int,
     target_latency_s: float,
     repeats: int = 5,
     clock: Callable[[], float] = time.perf_counter,
+    *,
+    build: Callable[[int], Inputs],
+    free: Callable[[], None] = _nothing,
 ) -> WarmupProfile:
-    """Time ``run(batch_size)`` and choose a batch size.
+    """Time ``run(build(batch_size))`` and choose a batch size; ``build`` is not timed.
 
-    A first pass grows the size until a pass exceeds the latency target; then
-    the repeats go round-robin over the sizes tried, so that a machine whose
-    speed drifts (a shared desktop, a VM) slows every size alike instead of
-    whichever happened to be measured during a slow second.
+    A first pass grows the size until a pass exceeds the latency target or runs out of
+    memory (then ``free`` gives the cache back and no larger size is tried); then the
+    repeats go round-robin over the sizes tried, so that a machine whose speed drifts (a
+    shared desktop, a VM) slows every size alike instead of whichever happened to be
+    measured during a slow second.
     """
     started = clock()
-    tried: list[int] = []
+    inputs: dict[int, Inputs] = {}
+    out_of_memory_at = None
     for size in batch_sizes(max_batch):
-        run(size)  # the first pass at a new shape pays for allocation and kernel choice
-        t0 = clock()
-        run(size)
-        tried.append(size)
-        if clock() - t0 > target_latency_s:
+        batch = build(size)
+        # The first pass at a new shape pays for allocation and kernel choice.
+        first = timed(run, batch, clock)
+        took = None if first is None else timed(run, batch, clock)
+        if took is None:
+            out_of_memory_at = size
             break
-    samples: dict[int, list[float]] = {size: [] for size in tried}
+        inputs[size] = batch
+        if took > target_latency_s:
+            break
+    del batch
+    if out_of_memory_at is not None:
+        free()
+        if not inputs:
+            raise OutOfMemoryAtWarmup()
+        log.warning("warmup ran out of memory at a batch of %d: batches stay below it",
+                    out_of_memory_at)
+    samples: dict[int, list[float]] = {size: [] for size in inputs}
     for _ in range(repeats):
-        for size in tried:
-            t0 = clock()
-            run(size)
-            samples[size].append(clock() - t0)
-    timings = [BatchTiming(size, statistics.median(samples[size])) for size in tried]
+        for size in list(samples):
+            took = timed(run, inputs[size], clock)
+            if took is None:  # memory got scarcer since (another program): stop there
+                out_of_memory_at = size
+                samples = {s: t for s, t in samples.items() if s < size}
+                free()
+                break
+            samples[size].append(took)
+    if not samples:
+        raise OutOfMemoryAtWarmup()
+    timings = [BatchTiming(size, statistics.median(times)) for size, times in samples.items()]
     chosen = choose_batch_size(timings, target_latency_s)
-    return WarmupProfile(timings, chosen, clock() - started)
+    return WarmupProfile(timings, chosen, clock() - started, out_of_memory_at)

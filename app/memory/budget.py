@@ -1,4 +1,4 @@
-"""The VRAM budget: ``total x fraction - weights - overhead``, optionally capped.
+"""The VRAM budget: ``total x fraction - weights - workspaces - overhead``, optionally capped.
 
 Kept as plain arithmetic so it can be printed line by line (`vramguard
 doctor`) and tested with numbers.
@@ -20,10 +20,11 @@ class Budget:
     weights: int
     overhead: int
     cap: int | None = None
+    workspaces: int = 0
 
     @property
     def formula_bytes(self) -> int:
-        return int(self.total * self.fraction) - self.weights - self.overhead
+        return int(self.total * self.fraction) - self.weights - self.workspaces - self.overhead
 
     @property
     def bytes(self) -> int:
@@ -38,6 +39,8 @@ class Budget:
             f"device memory      {human_bytes(self.total)}",
             f"x fraction         {self.fraction:.2f} = {human_bytes(self.total * self.fraction)}",
             f"- model weights    {human_bytes(self.weights)}",
+            *([f"- workspaces       {human_bytes(self.workspaces)} (kept allocated by GPU "
+               "libraries after warmup)"] if self.workspaces else []),
             f"- overhead         {human_bytes(self.overhead)} (measured: device use torch "
             "does not hold)",
             f"= budget           {human_bytes(self.formula_bytes)}",

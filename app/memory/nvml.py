@@ -1,8 +1,10 @@
 """NVML (nvidia-ml-py) readings. Absent or failing NVML is a normal state, not an error.
 
-NVML sees the whole GPU: what every process uses, which torch cannot. Under
-Windows WDDM drivers it does not report per-process use, so nothing depends
-on that.
+NVML sees the whole GPU: what every process uses, which torch cannot. Every
+reading here answers None when NVML fails, so the caller can fall back to
+CUDA's own figures. Under Windows WDDM drivers NVML does not report per-process
+use, and in a container it lists processes by their host PIDs, so nothing
+depends on finding this process.
 """
 
 from __future__ import annotations
@@ -11,6 +13,11 @@ import logging
 from typing import Any
 
 log = logging.getLogger("vramguard.memory")
+
+# nvmlDeviceGetDriverModel's values; TCC is called WDM in NVML.
+DRIVER_MODELS = {0: "WDDM", 1: "TCC", 2: "MCDM"}
+NVML_ERROR_NOT_SUPPORTED = 3
+NVML_DEVICE_MIG_ENABLE = 1
 
 
 class Nvml:
@@ -37,16 +44,37 @@ class Nvml:
             return None
 
     def memory(self) -> tuple[int, int, int]:
-        """(total, used, free) bytes of the whole device."""
+        """(total, used, free) bytes of the whole device; raises what NVML raises."""
         info = self._nvml.nvmlDeviceGetMemoryInfo(self._handle)
         return int(info.total), int(info.used), int(info.free)
 
     def driver_version(self) -> str:
-        version = self._nvml.nvmlSystemGetDriverVersion()
+        try:
+            version = self._nvml.nvmlSystemGetDriverVersion()
+        except Exception as exc:
+            return f"unknown ({exc})"
         return version.decode() if isinstance(version, bytes) else str(version)
 
+    def driver_model(self) -> str:
+        """WDDM, TCC or MCDM on Windows; "n/a" where NVML does not say (Linux)."""
+        try:
+            current = self._nvml.nvmlDeviceGetDriverModel(self._handle)[0]
+        except Exception:
+            return "n/a"
+        return DRIVER_MODELS.get(int(current), f"unknown ({current})")
+
+    def mig_enabled(self) -> bool | None:
+        """Whether the GPU is split into MIG instances; None when NVML cannot tell.
+
+        GPUs without MIG answer "not supported", which means off."""
+        try:
+            current = self._nvml.nvmlDeviceGetMigMode(self._handle)[0]
+        except Exception as exc:
+            return False if getattr(exc, "value", None) == NVML_ERROR_NOT_SUPPORTED else None
+        return int(current) == NVML_DEVICE_MIG_ENABLE
+
     def process_used(self, pid: int) -> int | None:
-        """Bytes ``pid`` uses on this GPU, when the driver says (not under WDDM)."""
+        """Bytes ``pid`` uses on this GPU, when NVML lists it with a figure (not WDDM)."""
         try:
             for proc in self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle):
                 if proc.pid == pid and proc.usedGpuMemory is not None:
@@ -54,3 +82,19 @@ class Nvml:
         except Exception:
             return None
         return None
+
+    def utilization(self) -> float | None:
+        """Share of NVML's last sample period (1/6 s to 1 s) in which the GPU ran a kernel,
+        any program's; None when NVML cannot tell (a MIG instance, an error)."""
+        try:
+            return int(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu) / 100
+        except Exception:
+            return None
+
+    def lists_process(self, pid: int) -> bool:
+        """Whether NVML lists ``pid`` among the GPU's processes (false in a container)."""
+        try:
+            processes = self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle)
+        except Exception:
+            return False
+        return any(proc.pid == pid for proc in processes)

@@ -1,14 +1,16 @@
 """Memory probes: the same readings from a GPU (torch.cuda + NVML) or the CPU.
 
-``others`` is what the device uses that torch does not hold (CUDA context,
-library workspaces, other programs); its growth since start shrinks the
-budget. On the CPU the device is system memory and the live-tensor tracker
-plays the allocator.
+``others`` is device used minus this process's use: other programs, plus our
+CUDA context where NVML gives no figure for this process (then PyTorch's
+reserved stands in for it); its growth since start shrinks the budget. On the
+CPU the device is system memory and the live-tensor tracker plays the
+allocator.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -19,6 +21,12 @@ import torch
 
 from app.memory.nvml import Nvml
 from app.memory.tracker import LiveTensorTracker
+from app.units import human_bytes
+
+log = logging.getLogger("vramguard.memory")
+# NVML's and CUDA's totals of one device agree to the byte on the GPUs we know; a larger
+# gap means NVML is describing something else (a parent GPU, another device).
+TOTALS_TOLERANCE = 0.02
 
 
 @dataclass(frozen=True)
@@ -46,7 +54,13 @@ class MemoryReading:
 
 
 class CudaProbe:
-    """torch.cuda's allocator figures, NVML's whole-device view where it exists."""
+    """torch.cuda's allocator figures, NVML's whole-device view where it can be trusted.
+
+    NVML is the source of device-wide figures only when it describes this very
+    device: not under MIG (the bus id then names the parent GPU), not when its
+    total disagrees with CUDA's, and only until it fails; otherwise, and from
+    then on, ``torch.cuda.mem_get_info``.
+    """
 
     def __init__(self, device: torch.device, weights: int) -> None:
         self.device = device
@@ -56,46 +70,126 @@ class CudaProbe:
         bus = (f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:"
                f"{props.pci_device_id:02X}.0")
         self.nvml = Nvml.open(bus, device.index or 0)
+        self.workspaces = 0
+        self._pid_listed = False
+        self._memory_nvml = self._choose_memory_source()
+        # CUDA's own peak is reset for every forward pass (it is the batch's peak, which
+        # the guard reads); /v1/memory's peaks are these running maxima, kept beside it.
+        self._peak_allocated = 0
+        self._peak_reserved = 0
+
+    def _choose_memory_source(self) -> Nvml | None:
+        """NVML when it describes this device, else None (CUDA); logged once, with why."""
+        nvml = self.nvml
+        reason = "NVML is not available"
+        if nvml is not None and nvml.mig_enabled():
+            reason = ("the GPU is split into MIG instances, and NVML would report the whole "
+                      "GPU rather than the part this program runs on")
+        elif nvml is not None:
+            cuda_total = torch.cuda.mem_get_info(self.device)[1]
+            try:
+                nvml_total = nvml.memory()[0]
+            except Exception as exc:
+                reason = f"NVML failed: {exc}"
+            else:
+                if abs(nvml_total - cuda_total) <= TOTALS_TOLERANCE * cuda_total:
+                    self._log_nvml_source(nvml)
+                    return nvml
+                reason = (f"NVML's device size ({human_bytes(nvml_total)}) and CUDA's "
+                          f"({human_bytes(cuda_total)}) disagree by more than "
+                          f"{TOTALS_TOLERANCE:.0%}")
+        log.info("device memory figures come from CUDA, not NVML: %s", reason)
+        return None
+
+    def _log_nvml_source(self, nvml: Nvml) -> None:
+        pid = os.getpid()
+        self._pid_listed = nvml.lists_process(pid)
+        if self._pid_listed and nvml.process_used(pid) is None:
+            log.info("device memory figures come from NVML, which lists this process (PID %d) "
+                     "without a figure (the Windows WDDM driver model): this process's use is "
+                     "taken from PyTorch's figure instead", pid)
+        elif self._pid_listed:
+            log.info("device memory figures come from NVML, which lists this process "
+                     "(PID %d)", pid)
+        else:
+            log.info("device memory figures come from NVML, which does not list this process "
+                     "(PID %d; in a container it lists the host's process numbers): this "
+                     "process's use is taken from PyTorch's figure instead", pid)
+
+    def _device_memory(self) -> tuple[int, int, int, str]:
+        """(total, used, free, source) of the whole device; CUDA's for good once NVML fails."""
+        if self._memory_nvml is not None:
+            try:
+                return (*self._memory_nvml.memory(), "nvml")
+            except Exception as exc:
+                log.warning("NVML stopped answering (%s): device memory figures come from "
+                            "CUDA from now on", exc)
+                self._memory_nvml = None
+        free, total = torch.cuda.mem_get_info(self.device)
+        return total, total - free, free, "cuda"
 
     def read(self) -> MemoryReading:
-        if self.nvml is not None:
-            total, used, free = self.nvml.memory()
-            source = "nvml"
-        else:
-            free, total = torch.cuda.mem_get_info(self.device)
-            used, source = total - free, "cuda"
+        total, used, free, source = self._device_memory()
         return MemoryReading(
             device=str(self.device), total=total, used=used, free=free,
             allocated=torch.cuda.memory_allocated(self.device),
             reserved=torch.cuda.memory_reserved(self.device),
-            peak_allocated=torch.cuda.max_memory_allocated(self.device),
-            peak_reserved=torch.cuda.max_memory_reserved(self.device),
+            peak_allocated=max(self._peak_allocated,
+                               torch.cuda.max_memory_allocated(self.device)),
+            peak_reserved=max(self._peak_reserved, torch.cuda.max_memory_reserved(self.device)),
             source=source, process=self.process_used() or torch.cuda.memory_reserved(self.device))
 
     def process_used(self) -> int | None:
-        """This process's use of the whole GPU, where the driver reports it (not WDDM)."""
-        return self.nvml.process_used(os.getpid()) if self.nvml else None
+        """This process's use of the whole GPU, where NVML is the source and lists it by
+        its PID with a figure (not under WDDM, not in a container)."""
+        if self._memory_nvml is None or not self._pid_listed:
+            return None
+        return self._memory_nvml.process_used(os.getpid())
+
+    @property
+    def baseline(self) -> int:
+        """Bytes that stay allocated between batches: the weights and library workspaces."""
+        return self.weights + self.workspaces
+
+    def set_baseline(self) -> None:
+        """After warmup: what is allocated beyond the weights now stays for good (cuBLAS
+        keeps its workspace, allocated through PyTorch, from the first matrix product on),
+        so it is not counted as a batch's activations."""
+        torch.cuda.synchronize(self.device)
+        self.workspaces = max(0, torch.cuda.memory_allocated(self.device) - self.weights)
 
     def in_use(self) -> int:
-        """Live activation bytes right now (beyond the weights)."""
-        return max(0, torch.cuda.memory_allocated(self.device) - self.weights)
+        """Live activation bytes right now (beyond the baseline)."""
+        return max(0, torch.cuda.memory_allocated(self.device) - self.baseline)
 
     def held(self) -> int:
-        """What we hold beyond the weights, cached blocks included: the watermark figure."""
-        return max(0, torch.cuda.memory_reserved(self.device) - self.weights)
+        """What we hold beyond the baseline, cached blocks included: the watermark figure."""
+        return max(0, torch.cuda.memory_reserved(self.device) - self.baseline)
 
     @contextlib.contextmanager
     def forward_scope(self) -> Iterator[None]:
+        """Start the batch's peak afresh: without it one big batch (or an OOM) would count
+        as every later batch's usage, and the guard would shed for ever."""
+        self._restart_cuda_peak()
         yield
 
     def batch_peak(self) -> int | None:
-        return max(0, torch.cuda.max_memory_allocated(self.device) - self.weights)
+        """The last forward pass's peak beyond the baseline."""
+        return max(0, torch.cuda.max_memory_allocated(self.device) - self.baseline)
+
+    def _restart_cuda_peak(self) -> None:
+        """Reset CUDA's peak counters, folding them into the running maxima first."""
+        self._peak_allocated = max(self._peak_allocated,
+                                   torch.cuda.max_memory_allocated(self.device))
+        self._peak_reserved = max(self._peak_reserved,
+                                  torch.cuda.max_memory_reserved(self.device))
+        torch.cuda.reset_peak_memory_stats(self.device)
 
     def measure_peak(self, run: Callable[[], object]) -> int:
         """Peak bytes allocated above the current level while ``run`` runs."""
         torch.cuda.synchronize(self.device)
         base = torch.cuda.memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
+        self._restart_cuda_peak()
         run()
         torch.cuda.synchronize(self.device)
         return max(0, torch.cuda.max_memory_allocated(self.device) - base)
@@ -105,7 +199,10 @@ class CudaProbe:
         torch.cuda.empty_cache()
 
     def reset_peak(self) -> None:
+        """Start every peak figure, the running maxima included, from what is held now."""
         torch.cuda.reset_peak_memory_stats(self.device)
+        self._peak_allocated = torch.cuda.memory_allocated(self.device)
+        self._peak_reserved = torch.cuda.memory_reserved(self.device)
 
     def set_backstop(self, fraction: float) -> None:
         """The hard limit the caching allocator itself enforces."""
@@ -127,6 +224,7 @@ class CpuProbe:
         self.cap = cap
         self.tracker = LiveTensorTracker(cap=cap, base=weights) if cap is not None else None
         self._peak_reserved = weights
+        self.workspaces = 0
 
     def read(self) -> MemoryReading:
         memory = psutil.virtual_memory()
@@ -142,6 +240,10 @@ class CpuProbe:
     def process_used(self) -> int:
         """Resident memory of this process."""
         return int(psutil.Process().memory_info().rss)
+
+    def set_baseline(self) -> None:
+        """Nothing stays allocated beyond the weights on the CPU: torch frees every
+        temporary, library workspaces included."""
 
     def in_use(self) -> int:
         return self.tracker.live if self.tracker else 0

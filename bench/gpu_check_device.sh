@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# On the lent GPU machine: install the carried wheels beside its own torch, run the GPU
+# check from the working tree, and leave the JSON and the log in $OUT (or bench/results).
+#
+#   here:  python -m bench.gpu_check --prepare
+#   there: bash bench/gpu_check_device.sh      (carry: bench/results/gpu-wheels)
+#
+# The project's requires-python (3.11) refuses an install on that machine's Python 3.12,
+# so nothing is installed from the project: the wheels go into a private folder with
+# --no-deps (they are pinned and complete; pip may not reach a registry there), and the
+# check runs with PYTHONPATH. `timeout` is the hard stop: the check skips what no longer
+# fits in its own 200 s budget, and its JSON is rewritten after every step.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+wheels=${GPU_CHECK_WHEELS:-bench/results/gpu-wheels}
+out=${OUT:-bench/results}
+site=$(mktemp -d /tmp/gpu-check-site.XXXXXX)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" \
+    "$wheels"/*.whl || { echo "could not install the wheels in $wheels"; exit 2; }
+PYTHONPATH=".:$site" PYTHONUNBUFFERED=1 timeout -k 10 235 \
+    python3 -m bench.gpu_check --out "$out/gpu-check.json" "$@" 2>&1 | tee "$out/gpu-check.log"

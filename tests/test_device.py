@@ -1,0 +1,58 @@
+"""Which device `auto` and `cuda` pick on GPUs the torch build cannot run (no GPU here:
+torch.cuda is monkeypatched). CUDA 13 wheels carry sm_75 and newer, without PTX: a
+GTX 10-series card (6.1) is found, then fails with "no kernel image" at warmup."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from app.engine.device import DeviceError, resolve_device, unsupported_gpu
+
+CU130 = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]
+
+
+def gpu(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int],
+        arches: list[str]) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "NVIDIA GeForce GTX")
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: arches)
+
+
+def test_auto_falls_back_to_the_cpu_for_a_gpu_too_old_and_says_why(monkeypatch, caplog):
+    gpu(monkeypatch, (6, 1), CU130)
+    with caplog.at_level(logging.WARNING):
+        assert resolve_device("auto") == torch.device("cpu")
+    assert "Using the CPU instead of the GPU" in caplog.text
+    assert "compute capability 6.1" in caplog.text and "7.5 and newer" in caplog.text
+
+
+def test_a_gpu_the_build_covers_is_used(monkeypatch):
+    gpu(monkeypatch, (8, 9), CU130)  # Ada: sm_86's binaries run on 8.9
+    assert resolve_device("auto") == torch.device("cuda:0")
+    gpu(monkeypatch, (12, 0), CU130)
+    assert resolve_device("cuda") == torch.device("cuda", 0)
+
+
+def test_ptx_covers_newer_gpus(monkeypatch):
+    gpu(monkeypatch, (9, 0), ["sm_75", "compute_80"])
+    assert unsupported_gpu(0) is None
+
+
+def test_asking_for_a_gpu_too_old_is_refused_with_advice(monkeypatch):
+    gpu(monkeypatch, (5, 2), CU130)
+    with pytest.raises(DeviceError, match=r"too old for this build.*--device cpu"):
+        resolve_device("cuda")
+
+
+def test_the_driver_is_held_to_what_cuda_13_needs():
+    from app.engine.device import driver_verdict
+
+    text, ok = driver_verdict("572.16", "13.0")
+    assert not ok and "needs 580 or newer" in text
+    assert driver_verdict("581.29", "13.0") == ("581.29 (CUDA 13.0 needs 580 or newer)", True)
+    assert driver_verdict("581.29", None)[1]

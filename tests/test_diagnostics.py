@@ -1,0 +1,365 @@
+"""Memory diagnostics: the leak rule (with numbers, then on the CPU analogue with tensors
+really held between idle periods), fragmentation and the leak snapshot (on the CUDA
+stand-in: the CPU has no allocator cache), large allocations caught with their stack,
+GPU utilisation as a GPU-only series, the device-level alert rules, and what the tray
+says about it all."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from asgi import anyio_backend, built_app, client, parse, state_of  # noqa: F401  (a fixture)
+from cuda_standin import GiB, MiB, install_gpu
+from test_tray_text import sample as live_sample
+from tiny_model import tiny_model
+
+from app.config import load_settings
+from app.engine.engine import InferenceEngine, MemoryProfile, Phase, Runtime
+from app.engine.oom import OomRecovery
+from app.engine.predictor import Prediction, Ranked, Sample
+from app.memory.budget import Budget
+from app.memory.diagnostics import (
+    LEAK_RISES,
+    MemoryDiagnostics,
+    cache_verdict,
+    leak_check_verdict,
+)
+from app.memory.fit import MemoryFit
+from app.memory.guard import MemoryGuard
+from app.memory.probes import CudaProbe
+from app.metrics import GPU_ONLY_SERIES
+from app.schemas import MemoryReport
+from tray.client import ApiClient
+from tray.controller import TrayController
+from tray.text import Notifier, menu_lines, tooltip
+
+ALERTS = Path(__file__).parent.parent / "assets" / "monitoring" / "alerts.yml"
+WEIGHTS = 100 * MiB
+
+
+# -- the leak rule, with numbers -------------------------------------------------------------
+
+
+def test_leak_is_suspected_after_three_rises_without_a_fall_and_cleared_when_memory_is_back():
+    diagnostics = MemoryDiagnostics(warm_allocated=WEIGHTS)
+    levels = [WEIGHTS + n * MiB for n in (2, 2, 4, 4, 7)]  # a flat spell keeps the count
+    raised = [diagnostics.idle(level, level).leak_raised for level in levels]
+    assert raised == [False, False, False, False, True]
+    assert diagnostics.leak_suspected and diagnostics.leak_growth == 7 * MiB
+    assert list(diagnostics.baselines) == levels
+    diagnostics.idle(WEIGHTS + 3 * MiB, WEIGHTS + 3 * MiB)  # partly given back: still held
+    assert diagnostics.leak_suspected and diagnostics.leak_growth == 3 * MiB
+    diagnostics.idle(WEIGHTS, WEIGHTS)
+    assert not diagnostics.leak_suspected and diagnostics.leak_growth == 0
+
+
+def test_a_fall_restarts_the_count_and_small_moves_are_not_rises():
+    diagnostics = MemoryDiagnostics(warm_allocated=WEIGHTS)
+    for level in (WEIGHTS + 4 * MiB, WEIGHTS + 8 * MiB, WEIGHTS + 2 * MiB, WEIGHTS + 6 * MiB,
+                  WEIGHTS + 6 * MiB + 1000, WEIGHTS + 6 * MiB + 2000):
+        diagnostics.idle(level, level)
+    assert not diagnostics.leak_suspected
+
+
+def test_fragmentation_is_five_times_what_is_in_use():
+    diagnostics = MemoryDiagnostics(warm_allocated=WEIGHTS)
+    assert not diagnostics.idle(WEIGHTS, 5 * WEIGHTS - 1).fragmented
+    assert diagnostics.idle(WEIGHTS, 5 * WEIGHTS).fragmented
+    assert diagnostics.fragmentation_releases == 1
+
+
+def test_doctor_lines():
+    assert "cannot fragment" in cache_verdict("cpu", WEIGHTS, WEIGHTS)
+    assert "fragmented" in cache_verdict("cuda:0", WEIGHTS, 6 * WEIGHTS)
+    assert cache_verdict("cuda:0", WEIGHTS, 2 * WEIGHTS).startswith("200 MiB held for 100 MiB")
+    assert "cpu_memory_cap" in leak_check_verdict(tracked=False, idle_s=60)
+    assert f"{LEAK_RISES} times" in leak_check_verdict(tracked=True, idle_s=60)
+
+
+# -- the leak rule on the CPU analogue -------------------------------------------------------
+
+
+def image() -> Sample:
+    return Sample(torch.rand(3, 16, 16), top_k=1)
+
+
+@pytest.fixture
+def cpu_engine(tmp_path: Path) -> Iterator[InferenceEngine]:
+    """The tiny real model on the CPU with the live-tensor tracker on (a cap far above
+    anything it needs), diagnosed at every idle period (a 1 ms quiet spell)."""
+    engine = InferenceEngine(load_settings(device="cpu", cache=False, max_batch_size=1,
+                                           cpu_memory_cap="1GiB", idle_release_s=0.001,
+                                           log_dir=tmp_path / "logs"))
+    engine.warm_up(tiny_model())
+    engine.phase = Phase.READY
+    engine.batcher.start()
+    yield engine
+    engine.batcher.stop()
+
+
+def quiet_spell(engine: InferenceEngine) -> MemoryReport:
+    """One request, then a quiet spell: the monitor's tick finds the engine idle."""
+    assert isinstance(engine.batcher.submit(image(), 10).result(10), Prediction)
+    engine.batcher.call(engine.tick).result(10)
+    assert engine.last_report is not None
+    return engine.last_report
+
+
+def test_tensors_held_between_idle_periods_raise_the_leak_flag(cpu_engine, caplog):
+    """A forward hook that keeps each batch's activations (a classic leak): the tracker
+    sees them stay alive, every idle period finds more in use, and the third rise raises
+    the flag. Letting go of them brings it down."""
+    kept: list[torch.Tensor] = []
+    conv = cpu_engine.runtime.model.module[0]
+    hook = conv.register_forward_hook(lambda m, i, out: kept.append(out.repeat(512, 1, 1, 1)))
+    per_batch = 512 * 4 * 14 * 14 * 4  # 1.5 MiB kept per image
+    warm = cpu_engine.batcher.call(cpu_engine.memory_report).result(10).allocated_bytes
+    with caplog.at_level(logging.WARNING, logger="vramguard.engine"):
+        reports = [quiet_spell(cpu_engine) for _ in range(LEAK_RISES)]
+    assert [r.leak_suspected for r in reports] == [False] * (LEAK_RISES - 1) + [True]
+    assert reports[-1].leak_growth_bytes == pytest.approx(LEAK_RISES * per_batch, abs=1024)
+    assert reports[-1].idle_baselines_bytes == pytest.approx(
+        [warm + n * per_batch for n in range(1, LEAK_RISES + 1)], abs=1024)
+    assert reports[-1].state.value == "ok"  # a leak does not change the guard's state
+    assert "possible memory leak" in caplog.text
+    hook.remove()
+    kept.clear()
+    released = quiet_spell(cpu_engine)
+    assert not released.leak_suspected and released.leak_growth_bytes < 1024
+
+
+def test_no_leak_when_nothing_is_kept(cpu_engine):
+    reports = [quiet_spell(cpu_engine) for _ in range(LEAK_RISES + 2)]
+    assert not any(r.leak_suspected for r in reports)
+    assert len(set(reports[-1].idle_baselines_bytes)) == 1
+
+
+# -- large allocations -----------------------------------------------------------------------
+
+
+def large_allocation_engine(tmp_path: Path, limit: str) -> InferenceEngine:
+    engine = InferenceEngine(load_settings(device="cpu", cache=False, max_batch_size=1,
+                                           cpu_memory_cap="1GiB", large_allocation_bytes=limit,
+                                           log_dir=tmp_path / "logs"))
+    engine.warm_up(tiny_model())
+    engine.phase = Phase.READY
+    return engine
+
+
+def allocate_4_mib_in_the_forward_pass(module, inputs, output):
+    """Not in the model at warmup: a 4 MiB temporary the profile knows nothing of."""
+    return output + output.repeat(1340, 1, 1, 1).sum(dim=0, keepdim=True) * 0
+
+
+@pytest.mark.parametrize(("limit", "depths", "logged"), [("1MiB", [1, 2, 1], 1),
+                                                         ("0", [1, 1, 1], 0)])
+def test_a_large_allocation_beyond_the_expected_peak_is_logged_once_with_its_stack(
+        tmp_path, caplog, limit, depths, logged):
+    """The first batch only measures (its peak is read anyway); the next one of that size
+    runs under the dispatch mode and names the code; later ones cost nothing again. With
+    the setting at 0 no mode but the CPU's tracker is ever entered."""
+    engine = large_allocation_engine(tmp_path, limit)
+    seen: list[int] = []
+    conv = engine.runtime.model.module[0]
+    conv.register_forward_hook(allocate_4_mib_in_the_forward_pass)
+    conv.register_forward_pre_hook(
+        lambda m, i: seen.append(torch._C._len_torch_dispatch_stack()))
+    engine.batcher.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="vramguard.memory"):
+            for _ in range(3):
+                assert isinstance(engine.batcher.submit(image(), 10).result(10), Prediction)
+        report = engine.batcher.call(engine.memory_report).result(10)
+    finally:
+        engine.batcher.stop()
+    assert seen == depths  # 1: the tracker; 2: the tracker and the watch
+    assert report.large_allocations == logged
+    lines = [r.getMessage() for r in caplog.records if "Large allocation" in r.getMessage()]
+    assert len(lines) == logged
+    if logged:
+        assert "4 MiB" in lines[0] and "allocate_4_mib_in_the_forward_pass" in lines[0]
+
+
+# -- the CUDA stand-in: fragmentation, the leak snapshot, utilisation ------------------------
+
+
+class StandInForward:
+    """A forward pass on the stand-in: one activation per image, all freed on return."""
+
+    def __init__(self, cuda, per_image: int) -> None:
+        self.cuda = cuda
+        self.per_image = per_image
+
+    def __call__(self, samples: list[Sample]) -> list[Prediction]:
+        self.cuda.forward(*[self.per_image] * len(samples))
+        ranked = Ranked(np.zeros(1, dtype=np.int64), np.ones(1, dtype=np.float32))
+        return [Prediction(ranked, len(samples)) for _ in samples]
+
+
+@pytest.fixture
+def gpu(monkeypatch, tmp_path):
+    """Returns a function making an engine on the stand-in GPU (the real batcher, guard,
+    OOM recovery and CUDA probe; a forward pass of 100 MiB per image), and the stand-ins."""
+    cuda, nvml = install_gpu(monkeypatch, total=8 * GiB, context=200 * MiB)
+    cuda.alloc(WEIGHTS)
+    engines: list[InferenceEngine] = []
+
+    def make(**settings: object) -> InferenceEngine:
+        engine = InferenceEngine(load_settings(device="cuda", log_dir=tmp_path / "logs",
+                                               **settings))
+        probe = CudaProbe(torch.device("cuda", 0), WEIGHTS)
+        fit = MemoryFit(0, 100 * MiB)
+        guard = MemoryGuard(Budget(8 * GiB, 1.0, WEIGHTS, 0, cap=2 * GiB), fit, max_batch=8)
+        recovery = OomRecovery(StandInForward(cuda, 100 * MiB), guard, probe)
+        engine.runtime = Runtime(None, None, probe, guard, recovery,
+                                 MemoryProfile(WEIGHTS, 0, 0, fit, [(1, 100 * MiB)]), None)
+        engine.batcher.set_max_batch(8)
+        engine.phase = Phase.READY
+        engine.batcher.start()
+        engines.append(engine)
+        return engine
+
+    yield make, cuda, nvml
+    for engine in engines:
+        engine.batcher.stop()
+
+
+def serve_then_idle(engine: InferenceEngine, images: int) -> MemoryReport:
+    """``images`` requests at once, then a tick long after them (a quiet spell)."""
+    futures = [engine.batcher.submit(image(), 10) for _ in range(images)]
+    assert all(isinstance(f.result(10), Prediction) for f in futures)
+    engine._last_activity -= 3600  # an hour of quiet, without waiting for it
+    engine.batcher.call(engine.tick).result(10)
+    assert engine.last_report is not None
+    return engine.last_report
+
+
+def test_a_fragmented_cache_is_emptied_at_idle_even_with_idle_release_off(gpu):
+    make, cuda, _ = gpu
+    engine = make(idle_release_s=0)
+    kept = serve_then_idle(engine, 1)  # 200 MiB held for 100 MiB in use: kept
+    assert cuda.reserved == 2 * WEIGHTS and kept.idle_releases == 0
+    report = serve_then_idle(engine, 8)  # 900 MiB held for 100 MiB in use: fragmented
+    assert cuda.reserved == WEIGHTS
+    assert report.idle_releases == 1
+    assert (kept.fragmentation_releases, report.fragmentation_releases) == (0, 1)
+
+
+def test_idle_release_counts_the_fragmented_ones(gpu):
+    make, cuda, _ = gpu
+    engine = make(idle_release_s=1)
+    assert serve_then_idle(engine, 1).fragmentation_releases == 0
+    assert cuda.reserved == WEIGHTS  # released all the same: the setting asks for it
+    report = serve_then_idle(engine, 6)
+    assert (report.idle_releases, report.fragmentation_releases) == (2, 1)
+
+
+def test_a_leak_on_cuda_writes_one_allocator_snapshot_with_stacks(gpu, tmp_path):
+    """Blocks held between idle periods: from the first rise the allocator records the
+    Python stacks of live blocks; at the flag one snapshot goes to the log folder and the
+    recording stops; later rises write no more."""
+    make, cuda, _ = gpu
+    engine = make(idle_release_s=1)
+    serve_then_idle(engine, 1)  # the warm level is the weights
+    for spell in range(LEAK_RISES + 1):
+        cuda.alloc(8 * MiB)  # something keeps 8 MiB per quiet spell
+        report = serve_then_idle(engine, 1)
+        if spell == 0:
+            assert cuda.recording and cuda.history[-1]["stacks"] == "python"
+    assert report.leak_suspected and report.leak_growth_bytes == (LEAK_RISES + 1) * 8 * MiB
+    snapshots = list((tmp_path / "logs").glob("leak-snapshot-*.pickle"))
+    assert len(snapshots) == 1
+    assert pickle.loads(snapshots[0].read_bytes())["segments"]
+    assert not cuda.recording and cuda.history[-1]["enabled"] is None
+
+
+def test_gpu_utilisation_comes_from_nvml(gpu):
+    make, _, nvml = gpu
+    nvml.utilization = (97, 40)
+    engine = make()
+    report = engine.batcher.call(engine.memory_report).result(10)
+    assert report.gpu_utilization_ratio == pytest.approx(0.97)
+    nvml.fail("nvmlDeviceGetUtilizationRates")
+    assert engine.batcher.call(engine.memory_report).result(10).gpu_utilization_ratio is None
+
+
+# -- /metrics and the alert rules ------------------------------------------------------------
+
+
+def gpu_report(**changes: object) -> MemoryReport:
+    fields = {name: 0 for name, field in MemoryReport.model_fields.items()
+              if field.is_required()}
+    return MemoryReport.model_validate(fields | {
+        "device": "cuda:0", "source": "nvml", "nvml": True, "state": "ok",
+        "profile_points": [], "cpu_memory_cap_bytes": None, "process_used_bytes": None,
+        **changes})
+
+
+@pytest.mark.anyio
+async def test_gpu_only_series_are_absent_on_the_cpu_and_present_on_a_gpu(tmp_path):
+    with built_app(tmp_path) as app:
+        engine = state_of(app).engine
+        async with client(app) as http:
+            engine.last_report = gpu_report(device="cpu", source="cpu", nvml=False)
+            cpu = parse((await http.get("/metrics")).text)
+            engine.last_report = gpu_report(gpu_utilization_ratio=0.42, leak_suspected=True,
+                                            leak_growth_bytes=12 * MiB,
+                                            fragmentation_releases=3, large_allocations=2)
+            gpu = parse((await http.get("/metrics")).text)
+    names = {name for name, _ in cpu}
+    assert not GPU_ONLY_SERIES & names
+    assert {"vramguard_leak_suspected", "vramguard_fragmentation_releases_total"} <= names
+    assert gpu[("vramguard_gpu_utilization_ratio", ())] == 0.42
+    assert gpu[("vramguard_leak_suspected", ())] == 1
+    assert gpu[("vramguard_leak_growth_bytes", ())] == 12 * MiB
+    assert gpu[("vramguard_fragmentation_releases_total", ())] == 3
+    assert gpu[("vramguard_large_allocations_total", ())] == 2
+
+
+def test_the_two_standard_device_level_alerts_are_shipped():
+    rules = {rule["alert"]: rule for group in yaml.safe_load(ALERTS.read_text())["groups"]
+             for rule in group["rules"]}
+    memory = rules["VramguardDeviceMemoryAbove90Percent"]
+    assert memory["expr"] == ("vramguard_device_memory_used_bytes / "
+                              "vramguard_device_memory_total_bytes > 0.9")
+    assert (memory["for"], memory["labels"]["severity"]) == ("2m", "critical")
+    busy = rules["VramguardGpuUtilizationAbove95Percent"]
+    assert busy["expr"] == "vramguard_gpu_utilization_ratio > 0.95" and busy["for"] == "5m"
+    assert "VramguardMemoryAboveHighWatermark" in rules  # the budget-relative ones stay
+
+
+# -- the tray ---------------------------------------------------------------------------------
+
+
+def test_tray_shows_gpu_utilisation_and_a_suspected_leak():
+    busy = live_sample(gpu_utilization_ratio=0.4, leak_suspected=True,
+                       leak_growth_bytes=12 * MiB)
+    assert tooltip(busy) == "vramguard: healthy, 38% of budget, peak 61%, GPU 40% busy"
+    lines = menu_lines(busy)
+    assert "GPU busy: 40% of the time (all programs)" in lines
+    assert "Possible leak: 12 MiB more kept than at start" in lines
+    assert tooltip(live_sample()) == "vramguard: healthy, 38% of budget, peak 61%"
+
+
+def test_a_leak_is_notified_once_per_episode():
+    notifier = Notifier()
+    seen = [notifier.leak(suspected, 12 * MiB) for suspected in (False, True, True, False, True)]
+    assert [bool(m) for m in seen] == [False, True, False, False, True]
+    assert "12 MiB" in str(seen[1]) and "Restarting vramguard" in str(seen[1])
+
+
+def test_the_tray_notifies_a_leak_without_changing_colour(tmp_path):
+    messages: list[str] = []
+    tray = TrayController(ApiClient("http://127.0.0.1:9", tmp_path / "token"), messages.append)
+    for _ in range(3):
+        tray.stream_sample(live_sample(leak_suspected=True, leak_growth_bytes=5 * MiB))
+    assert len(messages) == 1 and "5 MiB" in messages[0]
+    assert tray.tooltip().startswith("vramguard: healthy")
+    tray.client.close()

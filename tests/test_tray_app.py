@@ -1,0 +1,135 @@
+"""The tray's mapping onto pystray, without a display: what is handed to pystray and
+when, a failing update that must not freeze the tray, the default action, and the
+choice of backend. pystray's win32 backend (its temporary .ico files, its menu rebuilt
+from another thread) only runs on Windows: here a stand-in icon records the calls."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+from live_server import ROOT
+from PIL import Image
+
+from tray.app import TrayView, build_menu, update_loop
+
+
+class Controller:
+    """What the tray reads from TrayController, set by hand."""
+
+    def __init__(self) -> None:
+        self.colour = "green"
+        self.lines_shown = ["Used: 1 GiB"]
+        self.down = False
+        self.paused = False
+        self.stopped = False
+        self.start_server = None
+        self.refreshes = 0
+
+    def icon(self, size: int = 64) -> Image.Image:
+        return Image.new("RGB", (size, size), self.colour)
+
+    def tooltip(self) -> str:
+        return f"vramguard: {self.colour}"
+
+    def lines(self) -> list[str]:
+        return self.lines_shown
+
+    def refresh(self) -> None:
+        self.refreshes += 1
+
+    def wait_for_news(self, timeout_s: float) -> bool:
+        if self.refreshes >= 2:
+            self.stopped = True
+        return False
+
+
+class Icon:
+    """pystray's icon, recording what it was given."""
+
+    def __init__(self) -> None:
+        self.pictures = 0
+        self.titles = 0
+        self.menus = 0
+        self.visible = False
+        self.stopped = False
+        self.fail_pictures = 0
+        self._icon: Image.Image | None = None
+
+    @property
+    def icon(self) -> Image.Image | None:
+        return self._icon
+
+    @icon.setter
+    def icon(self, picture: Image.Image) -> None:
+        if self.fail_pictures:  # pystray re-raises a refused delete of its temporary .ico
+            self.fail_pictures -= 1
+            raise PermissionError("the .ico is held by another program")
+        self.pictures += 1
+        self._icon = picture
+
+    @property
+    def title(self) -> str:
+        return ""
+
+    @title.setter
+    def title(self, _text: str) -> None:
+        self.titles += 1
+
+    def update_menu(self) -> None:
+        self.menus += 1
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+def test_only_what_changed_is_handed_to_pystray():
+    controller, icon = Controller(), Icon()
+    view = TrayView(controller)  # type: ignore[arg-type]
+    for _ in range(3):
+        view.show(icon)
+    assert (icon.pictures, icon.titles, icon.menus) == (1, 1, 1)
+    controller.lines_shown = ["Used: 2 GiB"]
+    view.show(icon)
+    assert (icon.pictures, icon.titles, icon.menus) == (1, 1, 2)
+    controller.colour = "red"
+    view.show(icon)
+    assert (icon.pictures, icon.titles, icon.menus) == (2, 2, 2)
+
+
+def test_a_failed_update_is_logged_and_tried_again(caplog):
+    controller, icon = Controller(), Icon()
+    icon.fail_pictures = 1
+    update_loop(icon, controller, threading.Event(), TrayView(controller))  # type: ignore
+    assert icon.pictures == 1 and icon.stopped  # the picture was set again, then Quit
+    assert "could not update the icon" in caplog.text
+
+
+def test_open_dashboard_is_the_default_action(monkeypatch):
+    monkeypatch.setenv("PYSTRAY_BACKEND", "dummy")
+    from tray.app import load_pystray
+
+    pystray = load_pystray()
+    menu = build_menu(pystray, Controller(), threading.Event())  # type: ignore[arg-type]
+    defaults = [item.text for item in menu.items if item.default]
+    assert defaults == ["Open dashboard"]
+
+
+def test_each_backend_is_tried_in_turn_when_none_is_chosen():
+    """The default path (PYSTRAY_BACKEND unset) on a Linux without the AppIndicator
+    typelibs: pystray's own choice raises ValueError there. No display here, so no
+    backend can work: each is tried and logged, and the error says so plainly."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYSTRAY_BACKEND", "DISPLAY", "WAYLAND_DISPLAY")}
+    script = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
+              "from tray.app import load_pystray\n"
+              "try:\n    load_pystray()\nexcept RuntimeError as exc:\n    print('ERROR', exc)\n")
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=120)
+    out = result.stdout
+    assert result.returncode == 0, out + result.stderr
+    tried = [name for name in ("appindicator", "gtk", "xorg") if f"the {name} backend" in out]
+    assert tried == ["appindicator", "gtk", "xorg"], out
+    assert "ERROR no way to show a tray icon" in out
