@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,17 @@ def _settings(args: argparse.Namespace) -> Settings:
     overrides: dict[str, Any] = {key: value for key, value in vars(args).items()
                                  if key not in CLI_ONLY}
     return load_settings(args.config, **overrides)
+
+
+def windowed_main(argv: list[str]) -> int:
+    """The windowed program's entry (no console): an exception that escapes is logged and
+    ends it with status 1, instead of reaching PyInstaller's modal traceback dialog."""
+    try:
+        return main(argv or ["run"])
+    except Exception:
+        logging.getLogger("vramguard").exception("vramguard stopped because of an "
+                                                 "unexpected problem")
+        return 1
 
 
 def main(argv: list[str] | None = None) -> int:

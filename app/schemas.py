@@ -134,6 +134,9 @@ class MemoryReport(BaseModel):
     gpu_utilization_ratio: float | None = Field(None, description="Share of time the GPU ran "
                                                 "work (any program's), from NVML; absent on "
                                                 "the CPU or without NVML.")
+    cpu_instead_of_gpu: str | None = Field(None, description="Why vramguard runs on the CPU "
+                                           "although an NVIDIA GPU is present (an old GPU "
+                                           "this build cannot use); absent otherwise.")
 
 
 class LiveSample(MemoryReport):

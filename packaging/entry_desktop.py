@@ -13,8 +13,8 @@ if __name__ == "__main__":
     # A decode worker process is this executable started again: freeze_support() runs the
     # worker and exits, before the command line (and everything it imports) is loaded.
     multiprocessing.freeze_support()
-    from app.cli import main
+    from app.cli import windowed_main
 
     if sys.stdout is None or sys.stderr is None:
         sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
-    raise SystemExit(main(sys.argv[1:] or ["run"]))
+    raise SystemExit(windowed_main(sys.argv[1:]))

@@ -56,3 +56,23 @@ def test_the_driver_is_held_to_what_cuda_13_needs():
     assert not ok and "needs 580 or newer" in text
     assert driver_verdict("581.29", "13.0") == ("581.29 (CUDA 13.0 needs 580 or newer)", True)
     assert driver_verdict("581.29", None)[1]
+
+
+def test_the_engine_reports_why_it_runs_on_the_cpu_and_the_tray_shows_it(monkeypatch, tmp_path):
+    """The log is not where a desktop user looks: the memory report carries the reason,
+    and the tray menu says it in a line."""
+    from asgi import make_settings
+    from test_tray_text import sample
+
+    from app.engine.engine import InferenceEngine
+    from tray.text import menu_lines
+
+    gpu(monkeypatch, (6, 1), CU130)
+    engine = InferenceEngine(make_settings(tmp_path, device="auto"))
+    assert engine.device == torch.device("cpu")
+    assert engine.cpu_instead_of_gpu is not None
+    assert "compute capability 6.1" in engine.cpu_instead_of_gpu
+    shown = menu_lines(sample(cpu_instead_of_gpu=engine.cpu_instead_of_gpu))
+    assert "Using the CPU: this GPU is too old for this version" in shown
+    gpu(monkeypatch, (8, 9), CU130)
+    assert InferenceEngine(make_settings(tmp_path, device="auto")).cpu_instead_of_gpu is None

@@ -133,3 +133,40 @@ def test_each_backend_is_tried_in_turn_when_none_is_chosen():
     tried = [name for name in ("appindicator", "gtk", "xorg") if f"the {name} backend" in out]
     assert tried == ["appindicator", "gtk", "xorg"], out
     assert "ERROR no way to show a tray icon" in out
+
+
+def test_an_exception_no_one_caught_is_logged_and_notified(monkeypatch, caplog):
+    """A windowed program has no console: a thread's exception would vanish."""
+    import sys
+    import threading
+
+    from tray.app import report_crashes
+
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    monkeypatch.setattr(threading, "excepthook", threading.excepthook)
+    said: list[str] = []
+    report_crashes(said.append)
+
+    def broken() -> None:
+        raise ValueError("a bug in a tray thread")
+
+    with caplog.at_level("ERROR", logger="vramguard.tray"):
+        worker = threading.Thread(target=broken)
+        worker.start()
+        worker.join(5)
+    assert said == ["vramguard hit an unexpected problem (ValueError) and carried on. The "
+                    "details are in its log file."]
+    assert "a bug in a tray thread" in caplog.text and "Traceback" in caplog.text
+
+
+def test_the_windowed_program_logs_an_escaping_exception_instead_of_a_dialog(
+        monkeypatch, caplog):
+    import app.cli
+
+    def broken(argv: list[str] | None = None) -> int:
+        raise RuntimeError("a bug before the tray started")
+
+    monkeypatch.setattr(app.cli, "main", broken)
+    with caplog.at_level("ERROR", logger="vramguard"):
+        assert app.cli.windowed_main([]) == 1
+    assert "a bug before the tray started" in caplog.text and "Traceback" in caplog.text

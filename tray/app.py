@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -144,6 +145,30 @@ def build_menu(pystray: ModuleType, controller: TrayController,
     )
 
 
+CRASH_MESSAGE = ("vramguard hit an unexpected problem ({kind}) and carried on. The details "
+                 "are in its log file.")
+
+
+def report_crashes(notify: Callable[[str], None]) -> None:
+    """Log an exception that no one caught, in any thread, and say so in a notification.
+    The windowed program has no console: without this, one in a thread vanishes, and one
+    in the main thread becomes PyInstaller's modal traceback dialog."""
+
+    def report(kind: type[BaseException], error: BaseException, trace: Any) -> None:
+        log.error("an unexpected problem: %s", error, exc_info=(kind, error, trace))
+        try:
+            notify(CRASH_MESSAGE.format(kind=kind.__name__))
+        except Exception:  # the icon may be gone; the log has it
+            log.debug("could not show the notification", exc_info=True)
+
+    def report_thread(args: threading.ExceptHookArgs) -> None:
+        if args.exc_value is not None and not isinstance(args.exc_value, SystemExit):
+            report(args.exc_type, args.exc_value, args.exc_traceback)
+
+    sys.excepthook = report
+    threading.excepthook = report_thread
+
+
 def run_tray(controller: TrayController) -> None:
     """Show the icon until Quit; redraw it on each event from the server (at least once a
     second, which also supervises the server) from a stoppable thread."""
@@ -152,6 +177,7 @@ def run_tray(controller: TrayController) -> None:
     icon = pystray.Icon("vramguard", controller.icon(), controller.tooltip(),
                         build_menu(pystray, controller, stop))
     controller.notify = lambda message: _say(icon, message)
+    report_crashes(controller.notify)
 
     view = TrayView(controller)
     controller.follow()

@@ -74,6 +74,8 @@ def menu_lines(sample: LiveSample | None) -> list[str]:
     if sample.leak_suspected:
         lines.append(f"Possible leak: {human_bytes(sample.leak_growth_bytes)} more kept "
                      "than at start")
+    if sample.cpu_instead_of_gpu:
+        lines.append("Using the CPU: this GPU is too old for this version")
     if sample.paused:
         lines.append("Paused: images are refused until you resume")
     return lines

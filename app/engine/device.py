@@ -44,6 +44,14 @@ def unsupported_gpu(index: int) -> str | None:
             f"NVIDIA GPUs with {covered}")
 
 
+def cpu_fallback_reason(setting: str) -> str | None:
+    """Why `auto` runs on the CPU although an NVIDIA GPU is there (None otherwise): shown
+    by the tray and the dashboard, so a user with an old card knows it was not forgotten."""
+    if setting != "auto" or not torch.cuda.is_available():
+        return None
+    return unsupported_gpu(0)
+
+
 def resolve_device(setting: str) -> torch.device:
     """`auto` takes the first NVIDIA GPU when there is one this build can use, and the
     CPU otherwise (saying why in the log)."""

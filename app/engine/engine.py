@@ -24,7 +24,7 @@ import torch
 from app.config import Settings
 from app.engine.batcher import MicroBatcher, Reservation
 from app.engine.cpu_threads import CpuThreads
-from app.engine.device import resolve_device
+from app.engine.device import cpu_fallback_reason, resolve_device
 from app.engine.oom import DeviceFailed, OomRecovery, Outcome, unless_out_of_memory
 from app.engine.predictor import Prediction, Predictor, Sample
 from app.engine.warmup import OutOfMemoryAtWarmup, WarmupProfile, profile
@@ -90,6 +90,7 @@ class InferenceEngine:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.device = resolve_device(settings.device)
+        self.cpu_instead_of_gpu = cpu_fallback_reason(settings.device)
         self.phase = Phase.STARTING
         self.error: str | None = None
         # A sticky CUDA error broke the device's context: no restart of it in-process.
@@ -428,6 +429,7 @@ class InferenceEngine:
             idle_baselines_bytes=list(diagnostics.baselines),
             large_allocations=self._allocations.logged,
             gpu_utilization_ratio=nvml.utilization() if nvml is not None else None,
+            cpu_instead_of_gpu=self.cpu_instead_of_gpu,
         )
 
     def reset_peak(self) -> tuple[int, int]:
