@@ -91,6 +91,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -461,3 +462,19 @@ def install_gpu(monkeypatch: pytest.MonkeyPatch,
     """Both stand-ins, installed: the usual start of a test of a CUDA path."""
     cuda = CudaStandIn(**cuda_kwargs).install(monkeypatch)
     return cuda, NvmlStandIn(cuda).install(monkeypatch)
+
+
+class StandInForward:
+    """A forward pass on the stand-in: one activation of ``per_image`` bytes per image,
+    all alive at once, all freed on return (what the caching allocator sees)."""
+
+    def __init__(self, cuda: CudaStandIn, per_image: int) -> None:
+        self.cuda = cuda
+        self.per_image = per_image
+
+    def __call__(self, samples: list[Any]) -> list[Any]:
+        from app.engine.predictor import Prediction, Ranked
+
+        self.cuda.forward(*[self.per_image] * len(samples))
+        ranked = Ranked(np.zeros(1, dtype=np.int64), np.ones(1, dtype=np.float32))
+        return [Prediction(ranked, len(samples)) for _ in samples]

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
 import os
 import sqlite3
 import stat
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +13,7 @@ import diskcache
 import numpy as np
 import pytest
 from asgi import anyio_backend, built_app, client, make_settings, png  # noqa: F401  (a fixture)
+from small_disk import fill, mounted
 
 from app.cache import MAGIC, ResultCache, cache_key
 from app.engine.predictor import Ranked
@@ -206,24 +204,8 @@ def test_a_folder_of_another_user_is_not_used(tmp_path, caplog):
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A real, small filesystem (tmpfs, 1 MiB) to fill while the cache is open."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a small filesystem here: {made.stderr.strip()}")
-    try:
+    with mounted(tmp_path / "small", "1m") as mount:
         yield mount
-    finally:
-        gc.collect()  # diskcache's connections on the CPU pool's threads close when collected
-        subprocess.run(["umount", str(mount)], check=False)
-
-
-def fill(disk: Path) -> None:
-    """Write until the disk refuses."""
-    with (disk / "filler").open("wb", buffering=0) as filler, contextlib.suppress(OSError):
-        while True:
-            filler.write(b"\0" * 4096)
 
 
 @pytest.mark.anyio

@@ -10,15 +10,14 @@ import asyncio
 import logging
 import threading
 
-import numpy as np
 import pytest
 import torch
-from cuda_standin import GiB, MiB, install_gpu
+from cuda_standin import GiB, MiB, StandInForward, install_gpu
 
 from app.config import Settings
 from app.engine.engine import InferenceEngine, MemoryProfile, Phase, Runtime
 from app.engine.oom import OomRecovery
-from app.engine.predictor import Prediction, Ranked, Sample
+from app.engine.predictor import Prediction, Sample
 from app.memory.budget import Budget
 from app.memory.fit import MemoryFit
 from app.memory.guard import GuardState, MemoryGuard
@@ -27,20 +26,6 @@ from app.memory.probes import CpuProbe, CudaProbe
 WEIGHTS = 100 * MiB
 PER_IMAGE = 100 * MiB
 DEVICE = torch.device("cuda", 0)
-
-
-class StandInForward:
-    """A forward pass on the stand-in: one activation of ``per_image`` bytes per image,
-    all alive at once, all freed on return (what the caching allocator sees)."""
-
-    def __init__(self, cuda, per_image: int = PER_IMAGE) -> None:
-        self.cuda = cuda
-        self.per_image = per_image
-
-    def __call__(self, samples: list[Sample]) -> list[Prediction]:
-        self.cuda.forward(*[self.per_image] * len(samples))
-        ranked = Ranked(np.zeros(1, dtype=np.int64), np.ones(1, dtype=np.float32))
-        return [Prediction(ranked, len(samples)) for _ in samples]
 
 
 def sample() -> Sample:
@@ -60,7 +45,7 @@ def serving(monkeypatch):
     probe = CudaProbe(DEVICE, WEIGHTS)
     fit = MemoryFit(0, PER_IMAGE)
     guard = MemoryGuard(Budget(4 * GiB, 1.0, WEIGHTS, 0, cap=GiB), fit, max_batch=8)
-    forward = StandInForward(cuda)
+    forward = StandInForward(cuda, PER_IMAGE)
     memory = MemoryProfile(WEIGHTS, 0, 0, fit, [(1, PER_IMAGE)])
     engine.runtime = Runtime(None, None, probe, guard, OomRecovery(forward, guard, probe),
                              memory, None)  # type: ignore[arg-type]

@@ -11,19 +11,18 @@ import pickle
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import yaml
 from asgi import anyio_backend, built_app, client, parse, state_of  # noqa: F401  (a fixture)
-from cuda_standin import GiB, MiB, install_gpu
+from cuda_standin import GiB, MiB, StandInForward, install_gpu
 from test_tray_text import sample as live_sample
 from tiny_model import tiny_model
 
 from app.config import load_settings
 from app.engine.engine import InferenceEngine, MemoryProfile, Phase, Runtime
 from app.engine.oom import OomRecovery
-from app.engine.predictor import Prediction, Ranked, Sample
+from app.engine.predictor import Prediction, Sample
 from app.memory.budget import Budget
 from app.memory.diagnostics import (
     LEAK_RISES,
@@ -188,19 +187,6 @@ def test_a_large_allocation_beyond_the_expected_peak_is_logged_once_with_its_sta
 
 
 # -- the CUDA stand-in: fragmentation, the leak snapshot, utilisation ------------------------
-
-
-class StandInForward:
-    """A forward pass on the stand-in: one activation per image, all freed on return."""
-
-    def __init__(self, cuda, per_image: int) -> None:
-        self.cuda = cuda
-        self.per_image = per_image
-
-    def __call__(self, samples: list[Sample]) -> list[Prediction]:
-        self.cuda.forward(*[self.per_image] * len(samples))
-        ranked = Ranked(np.zeros(1, dtype=np.int64), np.ones(1, dtype=np.float32))
-        return [Prediction(ranked, len(samples)) for _ in samples]
 
 
 @pytest.fixture

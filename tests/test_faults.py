@@ -19,6 +19,7 @@ import pytest
 from asgi import BASE_URL, make_settings
 from images import photo
 from live_server import ROOT, USER_DIRS, free_port, live_server
+from small_disk import fill, mounted
 
 from app.cli import main
 from app.gates.admin_token import load_or_create_token
@@ -49,22 +50,9 @@ def refused_at_start(command: list[str], env: dict[str, str]) -> str:
 @pytest.fixture
 def full_disk(tmp_path: Path) -> Iterator[Path]:
     """A real, tiny filesystem (tmpfs, 256 KiB) filled to the last byte."""
-    mount = tmp_path / "full"
-    mount.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a small filesystem here: {made.stderr.strip()}")
-    try:
-        with (mount / "filler").open("wb", buffering=0) as filler:
-            try:
-                while True:
-                    filler.write(b"\0" * 4096)
-            except OSError:
-                pass
+    with mounted(tmp_path / "full", "256k") as mount:
+        fill(mount)
         yield mount
-    finally:
-        subprocess.run(["umount", str(mount)], check=False)
 
 
 def test_a_broken_config_file_is_one_message_naming_it(tmp_path, capsys):
