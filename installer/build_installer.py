@@ -31,6 +31,8 @@ MAIN_SCRIPT = ROOT / "installer" / "vramguard.nsi"
 PART_SCRIPT = ROOT / "installer" / "part.nsi"
 DEFAULT_PART_BYTES = 1536 * 1024**2  # well under NSIS's 2 GB, even uncompressed
 COMPRESSORS = ("lzma", "zlib", "bzip2", "none")
+PROGRESS_END = 30000  # NSIS's progress bar runs from 0 to 30000
+PROGRESS_STEPS = 1000
 
 
 @dataclass
@@ -76,23 +78,32 @@ def windows(relative: PurePosixPath) -> str:
     return nsis_text(str(relative).replace("/", "\\"))
 
 
-def file_commands(bundle: Path, files: list[PurePosixPath]) -> str:
-    """SetOutPath once per folder, then one File command per file."""
+def file_commands(bundle: Path, files: list[PurePosixPath], done: int, total: int) -> str:
+    """SetOutPath once per folder, one File command per file, and a Progress step each
+    time another thousandth of the whole payload (`total` bytes, `done` of them installed
+    before these files) is written. NSIS itself moves the bar by instructions run, which
+    says nothing about bytes and nothing while a part installs."""
     lines, folder = [], None
+    step = done * PROGRESS_STEPS // total
     for relative in files:
         if relative.parent != folder:
             folder = relative.parent
             target = "$INSTDIR" if str(folder) == "." else f"$INSTDIR\\{windows(folder)}"
             lines.append(f'  SetOutPath "{target}"')
         lines.append(f'  File "{bundle / relative}"')  # compile-time path: no $ expansion
+        done += (bundle / relative).stat().st_size
+        if done * PROGRESS_STEPS // total > step:
+            step = done * PROGRESS_STEPS // total
+            lines.append(f"  !insertmacro Progress {step * PROGRESS_END // PROGRESS_STEPS}")
     return "\n".join(lines) + "\n"
 
 
 def remove_commands(files: list[PurePosixPath]) -> str:
-    """Delete each file, then each folder deepest first (RMDir only removes empty ones)."""
+    """Remove each file (RemoveFile moves one in use aside), then each folder deepest first
+    (RMDir only removes empty ones)."""
     folders = {parent for relative in files for parent in relative.parents
                if str(parent) != "."}
-    lines = [f'  Delete "$INSTDIR\\{windows(relative)}"' for relative in files]
+    lines = [f'  !insertmacro RemoveFile "{windows(relative)}"' for relative in files]
     lines += [f'  RMDir "$INSTDIR\\{windows(folder)}"'
               for folder in sorted(folders, key=lambda f: (-len(f.parts), str(f)))]
     return "\n".join(lines) + "\n"
@@ -158,6 +169,7 @@ def build(bundle: Path, out: Path, version: str, compressor: str, limit: int,
     files = bundle_files(bundle)
     parts = split(bundle, files, limit)
     total = sum(part.size for part in parts)
+    payload = max(total, 1)  # the progress steps' denominator
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("vramguard-*-setup*.exe"):  # an older build's parts would mislead
         stale.unlink()
@@ -165,7 +177,7 @@ def build(bundle: Path, out: Path, version: str, compressor: str, limit: int,
     shutil.rmtree(gen, ignore_errors=True)
     gen.mkdir()
 
-    (gen / "core-files.nsh").write_text(file_commands(bundle, parts[0].files))
+    (gen / "core-files.nsh").write_text(file_commands(bundle, parts[0].files, 0, payload))
     (gen / "remove-files.nsh").write_text(remove_commands(files))
     (gen / "parts.nsh").write_text("".join(
         f'  !insertmacro InstallPart "{part_name(version, part.number)}" {part.number} '
@@ -179,7 +191,9 @@ def build(bundle: Path, out: Path, version: str, compressor: str, limit: int,
     for part in parts[1:]:
         part_gen = gen / f"part{part.number}"
         part_gen.mkdir()
-        (part_gen / "part-files.nsh").write_text(file_commands(bundle, part.files))
+        before = sum(earlier.size for earlier in parts[:part.number - 1])
+        (part_gen / "part-files.nsh").write_text(
+            file_commands(bundle, part.files, before, payload))
         jobs.append((PART_SCRIPT, {
             "VERSION": version, "PART": str(part.number), "GEN": str(part_gen),
             "COMPRESSOR": compressor,

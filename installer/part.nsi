@@ -2,7 +2,7 @@
 ; (see vramguard.nsi). Generated defines: VERSION, OUTFILE, PART, GEN, COMPRESSOR.
 
 Unicode true
-Target amd64-unicode
+Target x86-unicode  ; the only target stock NSIS for Windows has (see vramguard.nsi)
 !if "${COMPRESSOR}" == "none"
   SetCompress off
 !else
@@ -13,6 +13,7 @@ SilentInstall silent
 
 !include FileFunc.nsh
 !include LogicLib.nsh
+!include "${__FILEDIR__}/progress.nsh"
 
 Name "vramguard ${VERSION} part ${PART}"
 OutFile "${OUTFILE}"
@@ -26,6 +27,11 @@ Function .onInit
   ${If} ${Errors}
     MessageBox MB_ICONINFORMATION "This file is part of the vramguard installer. Run vramguard-${VERSION}-setup.exe (in the same folder) instead."
     Abort
+  ${EndIf}
+  ClearErrors
+  ${GetOptions} $R0 "/PROGRESSBAR=" $ProgressBar
+  ${If} ${Errors}
+    StrCpy $ProgressBar 0
   ${EndIf}
 FunctionEnd
 
