@@ -186,6 +186,10 @@ def build(bundle: Path, out: Path, version: str, compressor: str, limit: int,
     jobs: list[tuple[Path, dict[str, str]]] = [(MAIN_SCRIPT, {
         "VERSION": version, "OUTFILE": str(setup), "GEN": str(gen), "COMPRESSOR": compressor,
         "EXE_CONSOLE": executable(bundle, "vramguard"),
+        # The Linux twin's programs are Linux programs: a 32-bit installer under wine
+        # hangs trying to run one, so it does not ask the twin's console program to stop.
+        **({"STOP_WITH_CONSOLE": "1"} if executable(bundle, "vramguard").endswith(".exe")
+           else {}),
         "EXE_DESKTOP": executable(bundle, "vramguard-desktop"),
         "SIZE_KB": str(total // 1024), **({"ICON": str(icon)} if icon else {})})]
     for part in parts[1:]:

@@ -63,6 +63,7 @@ ShowUninstDetails show
 ; still runs after that keeps its files busy; RemoveFile deals with them. Nothing to
 ; stop, or no old copy to ask ("error": it cannot be started), is fine.
 !macro StopRunning
+  !ifdef STOP_WITH_CONSOLE
   ${If} ${FileExists} "$INSTDIR\${EXE_CONSOLE}"
     DetailPrint "Closing vramguard if it is running..."
     ${For} $R8 1 3
@@ -82,6 +83,7 @@ ShowUninstDetails show
       DetailPrint "vramguard did not close. Files it still uses will be set aside."
     ${EndIf}
   ${EndIf}
+  !endif
 !macroend
 
 ; Delete one installed file (its full path on the stack). Windows refuses to delete a
