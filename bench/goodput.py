@@ -29,7 +29,7 @@ import aiohttp
 from PIL import Image
 
 from bench.loadgen import run_load
-from bench.process import ROOT, free_port, process_tree, running, server_env
+from bench.process import ROOT, free_port, running, server_env, tree_cpu_seconds
 from bench.run import machine
 
 RETRY_S = 0.2
@@ -65,16 +65,12 @@ class Overload:
                    if status not in ("200", *REFUSALS) and not status.startswith("4"))
 
 
-def _tree_cpu(pid: int) -> float:
-    return sum(m.cpu_times().user + m.cpu_times().system for m in process_tree(pid))
-
-
 async def overload(url: str, body: bytes, clients: int, seconds: float,
                    server_pid: int) -> Overload:
     """``clients`` clients, each sending again RETRY_S after a refusal, for ``seconds``."""
     result = Overload(clients, seconds)
     deadline = time.perf_counter() + seconds
-    cpu_before = _tree_cpu(server_pid)
+    cpu_before = tree_cpu_seconds(server_pid)
 
     async def client(session: aiohttp.ClientSession, index: int) -> None:
         headers = {"Content-Type": "image/jpeg", "X-Client-Id": f"app-{index}"}
@@ -98,7 +94,7 @@ async def overload(url: str, body: bytes, clients: int, seconds: float,
     timeout = aiohttp.ClientTimeout(total=TIMEOUT_S)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         await asyncio.gather(*(client(session, i) for i in range(clients)))
-    result.server_cpu_s = _tree_cpu(server_pid) - cpu_before
+    result.server_cpu_s = tree_cpu_seconds(server_pid) - cpu_before
     return result
 
 

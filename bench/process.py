@@ -30,6 +30,11 @@ def process_tree(pid: int) -> list[psutil.Process]:
     return [process, *process.children(recursive=True)]
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) a server and its decode workers have used so far."""
+    return sum(m.cpu_times().user + m.cpu_times().system for m in process_tree(pid))
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

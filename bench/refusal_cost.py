@@ -31,8 +31,8 @@ from pathlib import Path
 import aiohttp
 
 from bench.compare import _worktree
-from bench.goodput import _tree_cpu, large_photo
-from bench.process import ROOT, free_port, running, server_env
+from bench.goodput import large_photo
+from bench.process import ROOT, free_port, running, server_env, tree_cpu_seconds
 from bench.run import machine
 
 KINDS = {"429": {"VRAMGUARD_CLASSIFY_BURST": "1", "VRAMGUARD_CLASSIFY_PER_S": "0.001"},
@@ -93,10 +93,10 @@ def main() -> int:
                     servers[name] = (f"http://127.0.0.1:{port}/v1/classify", process.pid)
                 for size, body in bodies.items():
                     for name, (url, pid) in servers.items():
-                        server_before, own_before = _tree_cpu(pid), _own_cpu()
+                        server_before, own_before = tree_cpu_seconds(pid), _own_cpu()
                         statuses = asyncio.run(_flood(url, body, args.clients, args.seconds))
                         answers = sum(statuses.values()) or 1
-                        server_ms = (_tree_cpu(pid) - server_before) / answers * 1000
+                        server_ms = (tree_cpu_seconds(pid) - server_before) / answers * 1000
                         client_ms = (_own_cpu() - own_before) / answers * 1000
                         rows.append(f"| {kind} | {size} | {name} | {answers / args.seconds:.0f} "
                                     f"| {server_ms:.2f} | {client_ms:.2f} | "
