@@ -1,18 +1,20 @@
-"""Result cache on disk (diskcache): the same image bytes are never classified twice.
+"""Result cache on disk (diskcache): the same image bytes are never run twice.
 
 Desktop apps re-scan the same folders often. The key is the SHA-256 of the
-image bytes plus the model name, its weights fingerprint and the numerics it ran with
-(device type, TF32); the value is the full ranking, so one entry answers any later
-``top_k``. Size-bounded; the oldest entries are evicted first.
+image bytes plus the model name, its weights fingerprint, the numerics it ran with
+(device type, TF32) and the task (classify or embed). A classify value is the full
+ranking, so one entry answers any later ``top_k``; an embed value is the unit vector.
+Size-bounded; the oldest entries are evicted first.
 
 Nothing read back from the folder is trusted, because any program that can write
-there can put anything in it. A value is plain bytes in vramguard's own format
-(``MAGIC``, the class indices as little-endian int32, the scores as float32),
-always kept inside the database, and is read back only in that form: diskcache's
-pickling is never reached (``_BytesOnlyDisk``). An entry in any other form,
-damaged, foreign, or written with pickle by an older vramguard, is a miss, logged
-once, and replaced when its image is classified again. The folder is private
-(0700): its keys tell which images were classified.
+there can put anything in it. A value is plain bytes in one of vramguard's own formats
+(a ranking: ``MAGIC``, the class indices as little-endian int32, the scores as float32;
+an embedding: ``EMBEDDING_MAGIC``, the values as little-endian float32), always kept
+inside the database, and is read back only in the form its caller asked for:
+diskcache's pickling is never reached (``_BytesOnlyDisk``). An entry in any other
+form, damaged, foreign, of the other task, or written with pickle by an older
+vramguard, is a miss, logged once, and replaced when its image is run again. The
+folder is private (0700): its keys tell which images were seen.
 """
 
 from __future__ import annotations
@@ -25,10 +27,13 @@ import re
 import sqlite3
 import stat
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import diskcache
 import numpy as np
+import numpy.typing as npt
 from diskcache.core import MODE_RAW
 
 from app.engine.predictor import Ranked
@@ -38,19 +43,35 @@ log = logging.getLogger("vramguard.cache")
 # A full disk, a damaged or locked database.
 STORE_ERRORS = (OSError, sqlite3.Error, diskcache.Timeout)
 MAGIC = b"VGR1"  # format 1 of a stored ranking
+EMBEDDING_MAGIC = b"VGE1"  # format 1 of a stored embedding
+MAX_EMBEDDING_DIM = 65536
+# Stored embeddings were L2-normalised; float32 rounding moves the norm by far less.
+NORM_TOLERANCE = 1e-3
+TASKS = ("classify", "embed")
 DATABASE_FILES = ("cache.db", "cache.db-wal", "cache.db-shm")
 # Where diskcache's stock Disk writes value files (older vramguards' large pickles).
 _VALUE_FILE = re.compile(r"[0-9a-f]{2}[/\\][0-9a-f]{2}[/\\][0-9a-f]{28}\.val")
+_Value = TypeVar("_Value")
 
 
-def cache_key(data: bytes, model: str, weights_version: str, numerics: str) -> str:
+def cache_key(data: bytes, model: str, weights_version: str, numerics: str,
+              task: str = "classify") -> str:
     """``numerics`` is ``predictor.numerics(device)``: the device type and TF32 setting,
-    since a GPU's scores differ from the CPU's by about 1e-3."""
-    return f"{model}:{weights_version}:{numerics}:{hashlib.sha256(data).hexdigest()}"
+    since a GPU's scores differ from the CPU's by about 1e-3.
+
+    ``task`` keeps an image's embedding and ranking in separate entries. A classify key
+    is the format of older vramguards, so their entries stay valid; an embed key ends in
+    ``:embed``, which a classify key, ending in the 64 hex digits of the hash, never does,
+    whatever the model name holds."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}: expected one of {TASKS}")
+    key = f"{model}:{weights_version}:{numerics}:{hashlib.sha256(data).hexdigest()}"
+    return key if task == "classify" else f"{key}:{task}"
 
 
 class UnusableEntry(ValueError):
-    """An entry that is not a ranking in vramguard's format: foreign, older or damaged."""
+    """An entry not in the vramguard format asked for: foreign, older, of the other task
+    or damaged."""
 
 
 def encode(ranked: Ranked) -> bytes:
@@ -72,6 +93,42 @@ def decode(stored: bytes) -> Ranked:
     if not np.isfinite(scores).all():
         raise UnusableEntry("a ranking with scores that are not numbers")
     return Ranked(indices, scores)
+
+
+def _embedding_fault(vec: npt.NDArray[Any]) -> str | None:
+    """Why ``vec`` is not an embedding vramguard would have stored, or None: a planted one
+    must not make the route fail or answer with a vector no model computed."""
+    if vec.ndim != 1 or not 1 <= vec.size <= MAX_EMBEDDING_DIM:
+        return f"an embedding of shape {vec.shape}"
+    if not np.isfinite(vec).all():
+        return "an embedding with values that are not numbers"
+    norm = float(np.linalg.norm(vec.astype(np.float64)))
+    if abs(norm - 1.0) > NORM_TOLERANCE:
+        return f"an embedding of norm {norm:.6g}, not a unit vector"
+    return None
+
+
+def encode_embedding(vec: npt.NDArray[np.floating[Any]]) -> bytes:
+    """``vec`` as float32; ValueError for one that ``decode_embedding`` would refuse,
+    since such an entry would only take space."""
+    values = np.asarray(vec, "<f4")
+    fault = _embedding_fault(values)
+    if fault is not None:
+        raise ValueError(f"{fault} is not kept")
+    return EMBEDDING_MAGIC + values.tobytes()
+
+
+def decode_embedding(stored: bytes) -> npt.NDArray[np.float32]:
+    """The unit vector in ``stored``, checked like a ranking (see ``_embedding_fault``).
+    A writable copy, so that a caller changing it cannot reach ``stored``."""
+    body = stored[len(EMBEDDING_MAGIC):]
+    if not stored.startswith(EMBEDDING_MAGIC) or len(body) % 4:
+        raise UnusableEntry("not an embedding in vramguard's format")
+    values = np.frombuffer(body, "<f4")
+    fault = _embedding_fault(values)
+    if fault is not None:
+        raise UnusableEntry(fault)
+    return values.astype(np.float32)
 
 
 class _BytesOnlyDisk(diskcache.Disk):  # type: ignore[misc]  # diskcache ships no types
@@ -179,11 +236,20 @@ class ResultCache:
     def get(self, key: str) -> Ranked | None:
         """The cached ranking, or None; a cache that cannot be read, or an entry that
         cannot be used, is a miss, not an error: the model can still answer."""
+        return self._get(key, decode)
+
+    def get_embedding(self, key: str) -> npt.NDArray[np.float32] | None:
+        """The cached embedding, a writable copy, or None, as ``get``: a ranking under
+        ``key`` is a miss too."""
+        return self._get(key, decode_embedding)
+
+    def _get(self, key: str, decode_value: Callable[[bytes], _Value]) -> _Value | None:
+        """The one read path of both value kinds, so that they fail alike."""
         if self._cache is None:
             return None
         try:
             stored = self._cache.get(key)
-            return None if stored is None else decode(stored)
+            return None if stored is None else decode_value(stored)
         except STORE_ERRORS as exc:
             self._once("read", "the result cache cannot be read (%s); computing the answers",
                        str(exc))
@@ -195,10 +261,24 @@ class ResultCache:
 
     def put(self, key: str, ranked: Ranked) -> None:
         """Keep ``ranked``; when it cannot be kept the answer still goes out, uncached."""
+        self._put(key, encode(ranked))
+
+    def put_embedding(self, key: str, vec: npt.NDArray[np.floating[Any]]) -> None:
+        """Keep ``vec``, as ``put``; one that would not be read back (not a unit vector)
+        is not kept either: a warning, since the engine should not make it."""
+        try:
+            stored = encode_embedding(vec)
+        except ValueError as exc:
+            self._once("unfit", "an embedding was not cached: %s", str(exc))
+            return
+        self._put(key, stored)
+
+    def _put(self, key: str, stored: bytes) -> None:
+        """The one write path of both value kinds, so that they fail alike."""
         if self._cache is None:
             return
         try:
-            self._cache.set(key, encode(ranked))
+            self._cache.set(key, stored)
         except STORE_ERRORS as exc:
             self._once("write", "the result cache cannot be written (%s); is the disk full? "
                        "Answers are not cached until there is space", str(exc))

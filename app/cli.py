@@ -12,6 +12,11 @@ from app import __version__
 from app.config import ConfigError, Settings, config_file_in_use, load_settings
 
 
+def _names(text: str) -> list[str]:
+    """``--models a,b``: the names, without blanks."""
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
 def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, help="TOML config file (default: the per-user "
                         "config.toml, or VRAMGUARD_CONFIG).")
@@ -49,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--memory-fraction", type=float,
                        help=fields["memory_fraction"].description)
     serve.add_argument("--memory-budget", help=fields["memory_budget"].description)
+    serve.add_argument("--models", type=_names, help=fields["models"].description)
+    serve.add_argument("--keep-alive-s", type=float, help=fields["keep_alive_s"].description)
     serve.add_argument("--idle-release-s", type=float, help=fields["idle_release_s"].description)
     serve.add_argument("--launched-by", type=int, help=argparse.SUPPRESS)  # set by `run`
 

@@ -76,6 +76,22 @@ class Settings(BaseSettings):
                        "or a torchvision classifier name such as resnet50.")
     weights: Path | None = Field(None, description="Weights file for a torchvision model "
                                  "(default: torchvision's cache folder).")
+    models: list[str] = Field(default_factory=list, description="More models to load at "
+                              "start besides --model (comma-separated on the command line); "
+                              "any catalogue model also loads when a request asks for it.")
+    keep_alive_s: float = Field(300.0, ge=-1, description="Seconds a model that is not the "
+                                "--model one stays loaded after its last request (-1: for "
+                                "ever, 0: unload when its requests are done). A request's "
+                                "keep_alive overrides it for its model.")
+    min_residency_s: float = Field(30.0, ge=0, description="A model loaded less than this "
+                                   "many seconds ago is not unloaded to make room for "
+                                   "another (stops endless load/unload cycles).")
+    max_loads_per_minute: int = Field(6, ge=1, description="Most model loads in any minute; "
+                                      "beyond it a request for a model not loaded gets 503 "
+                                      "and a Retry-After.")
+    profile_dir: Path = Field(default_factory=lambda: default_cache_dir().parent / "profiles",
+                              description="Folder of the measured model profiles (reused so "
+                              "that a second start skips profiling).")
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N.")
     max_batch_size: int = Field(32, ge=1, le=512, description="Largest batch warmup may try.")
     target_latency_ms: float = Field(250.0, gt=0, description="Warmup picks the fastest batch "
@@ -138,7 +154,9 @@ class Settings(BaseSettings):
     memory_fraction: float = Field(0.7, gt=0, le=1, description="Share of the device's memory "
                                    "vramguard may plan for (weights and overhead included).")
     memory_budget: ByteSize | None = Field(None, gt=0, description="Upper limit on the "
-                                           "memory budget for images in flight (e.g. 2GiB).")
+                                           "memory vramguard's models may take together: "
+                                           "the weights of every loaded model plus the "
+                                           "images in flight (e.g. 2GiB).")
     high_watermark: float = Field(0.9, gt=0, le=1, description="Share of the budget above "
                                   "which vramguard sheds load (batch 1, cache emptied).")
     low_watermark: float = Field(0.75, gt=0, lt=1, description="Share of the budget below "

@@ -111,6 +111,45 @@ class AppCollector(Collector):
                                     value=engine.runtime.warmup.duration_s)
         yield GaugeMetricFamily("vramguard_ready", "1 once the model is warmed up.",
                                 value=1.0 if engine.ready else 0.0)
+        yield from self._models()
+
+    def _models(self) -> Iterator[Metric]:
+        """Per model (label ``model``): what is loaded, loads, unloads by reason, load time,
+        requests by outcome and its batch sizes; counts survive the model's unloading."""
+        engine = self.state.engine
+        runtimes = dict(engine.runtimes)
+        events = dict(engine.events)
+        loaded = GaugeMetricFamily("vramguard_model_loaded", "1 for each loaded model.",
+                                   labels=["model"])
+        weights = GaugeMetricFamily("vramguard_model_weights_bytes", "Weights of each "
+                                    "loaded model on the device.", labels=["model"])
+        size = GaugeMetricFamily("vramguard_model_batch_size", "Batch size in force for "
+                                 "each loaded model.", labels=["model"])
+        for name, runtime in runtimes.items():
+            loaded.add_metric([name], 1.0)
+            weights.add_metric([name], runtime.memory.weights_bytes)
+            size.add_metric([name], runtime.guard.max_batch)
+        loads = CounterMetricFamily("vramguard_model_loads", "Model loads.", labels=["model"])
+        seconds = CounterMetricFamily("vramguard_model_load_seconds", "Time spent loading "
+                                      "and warming up models.", labels=["model"])
+        unloads = CounterMetricFamily("vramguard_model_unloads", "Model unloads by reason: "
+                                      "evicted (to make room), expired (keep-alive), admin, "
+                                      "did_not_fit.", labels=["model", "reason"])
+        requests = CounterMetricFamily("vramguard_model_requests", "Images answered per "
+                                       "model: ok (computed) or cached.",
+                                       labels=["model", "outcome"])
+        batches = HistogramMetricFamily("vramguard_model_batch_size_images", "Images per "
+                                        "batch, per model.", labels=["model"])
+        for name, counted in events.items():
+            loads.add_metric([name], counted.loads)
+            seconds.add_metric([name], counted.load_seconds)
+            for reason, count in counted.unloads.items():
+                unloads.add_metric([name, reason], count)
+            for outcome, count in counted.requests.items():
+                requests.add_metric([name, outcome], count)
+            buckets, total = _buckets(dict(counted.sizes))
+            batches.add_metric([name], buckets, sum_value=total)
+        yield from (loaded, weights, size, loads, seconds, unloads, requests, batches)
 
     @staticmethod
     def _memory(report: MemoryReport) -> Iterator[Metric]:
@@ -128,13 +167,18 @@ class AppCollector(Collector):
             yield CounterMetricFamily(f"vramguard_{name}", doc, value=read(report))
 
     def _batch_sizes(self) -> Metric:
-        sizes = dict(self.state.engine.batcher.stats.sizes)
-        buckets = [(str(bound), sum(n for size, n in sizes.items() if size <= bound))
-                   for bound in BATCH_BUCKETS]
-        buckets.append(("+Inf", sum(sizes.values())))
+        buckets, total = _buckets(dict(self.state.engine.batcher.stats.sizes))
         return HistogramMetricFamily("vramguard_batch_size", "Images per batch.",
-                                     buckets=buckets,
-                                     sum_value=sum(size * n for size, n in sizes.items()))
+                                     buckets=buckets, sum_value=total)
+
+
+def _buckets(sizes: dict[int, int]) -> tuple[list[tuple[str, float]], float]:
+    """A histogram's cumulative buckets and sum from counts of batches by size."""
+    buckets: list[tuple[str, float]] = [
+        (str(bound), sum(n for size, n in sizes.items() if size <= bound))
+        for bound in BATCH_BUCKETS]
+    buckets.append(("+Inf", sum(sizes.values())))
+    return buckets, sum(size * n for size, n in sizes.items())
 
 
 class Metrics:

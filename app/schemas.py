@@ -22,22 +22,62 @@ class ClassifyResponse(BaseModel):
     timing_ms: dict[str, float]
 
 
+class EmbedResponse(BaseModel):
+    model: str
+    dimensions: int
+    embedding: list[float] = Field(description="Penultimate-layer features, L2-normalised: "
+                                   "the dot product of two is their cosine similarity.")
+    batch_size: int = Field(description="Images computed together with this one (0 when "
+                            "it came from the result cache).")
+    cached: bool
+    timing_ms: dict[str, float]
+
+
 class BatchTimingOut(BaseModel):
     batch_size: int
     latency_ms: float
     images_per_second: float
 
 
+class BatchFitOut(BaseModel):
+    """The batch time measured in service: seconds = a + b x images."""
+
+    a_ms: float
+    b_ms: float
+    observations: int
+
+
 class ModelOut(BaseModel):
     name: str
-    device: str
-    weights_file: str
-    weights_version: str
-    weights_bytes: int
+    state: str = Field(description="loaded, loading, or available (in the catalogue, loaded "
+                       "when a request asks for it).")
+    family: str
     input_size: int
-    max_batch_size: int = Field(description="Batch size chosen at warmup.")
-    warmup_seconds: float
-    warmup: list[BatchTimingOut]
+    installed: bool = Field(description="Whether its weights are on this computer.")
+    note: str = Field("", description="Why it cannot load, when it cannot.")
+    pinned: bool = Field(False, description="Loaded at start and never unloaded to make "
+                         "room (--model, --models).")
+    keep_alive_s: float | None = Field(None, description="Seconds it stays loaded after its "
+                                       "last request (-1: for ever).")
+    expires_in_s: float | None = Field(None, description="Seconds until it unloads if no "
+                                       "request comes.")
+    device: str | None = None
+    weights_file: str | None = None
+    weights_version: str | None = None
+    weights_bytes: int | None = Field(None, description="Measured once loaded (or from its "
+                                      "stored profile).")
+    fixed_bytes: int | None = Field(None, description="c: memory of one of its batches that "
+                                    "does not grow with the batch.")
+    bytes_per_sample: int | None = Field(None, description="k: memory per image in a batch.")
+    batch_size: int | None = Field(None, description="Batch size in force.")
+    max_batch_size: int | None = Field(None, description="The same as batch_size (the name "
+                                       "older clients read).")
+    images_per_second: float | None = Field(None, description="Measured at its batch size.")
+    batch_fit: BatchFitOut | None = None
+    profile_reused: bool | None = Field(None, description="Whether its last load reused a "
+                                        "stored profile instead of measuring.")
+    warmup_seconds: float | None = None
+    warmup: list[BatchTimingOut] = Field(default_factory=list)
 
 
 class ModelsResponse(BaseModel):
@@ -78,6 +118,17 @@ class StatsResponse(BaseModel):
 class ProfilePoint(BaseModel):
     batch_size: int
     peak_bytes: int = Field(description="Peak memory of one forward pass of this batch size.")
+
+
+class ModelMemory(BaseModel):
+    """One loaded model's share of the device."""
+
+    name: str
+    weights_bytes: int
+    batch_peak_bytes: int = Field(description="Peak of one of its batches at its batch size "
+                                  "(c + k x batch size, measured).")
+    batch_size: int
+    pinned: bool = Field(description="Loaded at start and never unloaded to make room.")
 
 
 class MemoryReport(BaseModel):
@@ -137,6 +188,9 @@ class MemoryReport(BaseModel):
     cpu_instead_of_gpu: str | None = Field(None, description="Why vramguard runs on the CPU "
                                            "although an NVIDIA GPU is present (an old GPU "
                                            "this build cannot use); absent otherwise.")
+    models: list[ModelMemory] = Field(default_factory=list, description="The loaded models "
+                                      "and what each takes (weights_bytes above is their "
+                                      "sum).")
 
 
 class LiveSample(MemoryReport):

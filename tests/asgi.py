@@ -69,14 +69,17 @@ class ReadyEngine(InferenceEngine):
                                                         std=(255.0, 255.0, 255.0)),
                             weights_file=Path("stand-in.pt"), weights_version="stand-in",
                             device=torch.device("cpu"))
-        # Only what the routes under test read: the model and the warmup's duration.
-        self.runtime = cast(Runtime, SimpleNamespace(
+        # Only what the routes under test read: the model and the warmup's duration; a
+        # lane, never run (no device thread), for admission to count places in.
+        self.runtimes[model.name] = cast(Runtime, SimpleNamespace(
             model=model, warmup=SimpleNamespace(duration_s=WARMUP_S)))
+        self.batcher.add_lane(model.name, lambda samples: [])
         self.phase = Phase.READY
         self.samples: list[Sample] = []
 
     async def classify(self, sample: Sample, timeout_s: float,
-                       reservation: Reservation | None = None) -> Prediction:
+                       reservation: Reservation | None = None,
+                       model: str | None = None) -> Prediction:
         self.samples.append(sample)
         order = np.arange(len(LABELS))[::-1].copy()
         scores = np.linspace(0.5, 0.05, len(LABELS), dtype=np.float32)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
 import sqlite3
@@ -15,7 +17,16 @@ import pytest
 from asgi import anyio_backend, built_app, client, make_settings, png  # noqa: F401  (a fixture)
 from small_disk import fill, mounted
 
-from app.cache import MAGIC, ResultCache, cache_key
+from app.cache import (
+    EMBEDDING_MAGIC,
+    MAGIC,
+    MAX_EMBEDDING_DIM,
+    ResultCache,
+    UnusableEntry,
+    cache_key,
+    decode_embedding,
+    encode_embedding,
+)
 from app.engine.predictor import Ranked
 
 
@@ -67,11 +78,11 @@ class Payload:
         return os.mkdir, (str(self.marker),)
 
 
-def plant(folder: Path, entries: dict[str, object]) -> None:
+def plant(folder: Path, entries: dict[str, object], **settings: object) -> None:
     """Write ``entries`` into the cache folder as another program would: with diskcache's
     default Disk, which pickles what is not bytes, str or a number (in the database, or in
-    a value file when large)."""
-    with diskcache.Cache(str(folder)) as foreign:
+    a value file when large, unless ``settings`` say otherwise)."""
+    with diskcache.Cache(str(folder), **settings) as foreign:
         for key, planted in entries.items():
             foreign.set(key, planted)
 
@@ -249,7 +260,7 @@ def test_scores_computed_on_the_cpu_are_not_served_to_a_gpu(tmp_path):
     import torch
     from tiny_model import tiny_model
 
-    from app.api.classify import _prepare
+    from app.api.image_flow import _prepare
 
     pixels = np.zeros((3, 16, 16), np.float32)
     state = SimpleNamespace(cache=ResultCache(tmp_path, 10 * 1024**2),
@@ -279,3 +290,169 @@ def test_the_key_says_whether_tf32_was_allowed(monkeypatch):
     assert numerics(torch.device("cpu")) not in (with_tf32, numerics(cuda))
     keys = {cache_key(b"a", "m", "v1", n) for n in (with_tf32, numerics(cuda), "cpu")}
     assert len(keys) == 3
+
+
+# --- embeddings --------------------------------------------------------------------------------
+
+
+def unit(dim: int, seed: int = 0) -> np.ndarray:
+    """A random float32 vector of L2 norm 1, as the embed route stores."""
+    vec = np.random.default_rng(seed).standard_normal(dim).astype(np.float32)
+    return vec / np.linalg.norm(vec)
+
+
+def embed_key(data: bytes) -> str:
+    return cache_key(data, "m", "v1", "cpu", task="embed")
+
+
+def test_an_embedding_round_trips(tmp_path):
+    cache = ResultCache(tmp_path, 10 * 1024**2)
+    key = embed_key(b"image")
+    assert cache.get_embedding(key) is None
+    cache.put_embedding(key, unit(1280))
+    cache.close()
+    hit = ResultCache(tmp_path, 10 * 1024**2).get_embedding(key)
+    assert hit is not None and hit.dtype == np.float32 and hit.shape == (1280,)
+    assert np.array_equal(hit, unit(1280))
+
+
+def test_an_embedding_read_back_is_the_callers_own_copy(tmp_path):
+    cache = ResultCache(tmp_path, 10 * 1024**2)
+    key = embed_key(b"image")
+    cache.put_embedding(key, unit(1280))
+    first = cache.get_embedding(key)
+    assert first is not None and first.flags.writeable
+    first[:] = 0
+    assert np.array_equal(cache.get_embedding(key), unit(1280))
+
+
+def test_classify_keys_are_unchanged_and_embed_keys_are_apart():
+    classify = cache_key(b"image", "m", "v1", "cpu")
+    # The format existing caches were written with: their entries must stay hits.
+    assert classify == ("m:v1:cpu:"
+                        "6105d6cc76af400325e94d588ce511be5bfdbb73b437dc51eca43917d7a43e3d")
+    assert cache_key(b"image", "m", "v1", "cpu", task="classify") == classify
+    embed = embed_key(b"image")
+    assert embed != classify
+    # Nor can a model name or numerics make some classify key read as this embed key.
+    assert embed not in {cache_key(b"image", "embed", "m", "v1:cpu"),
+                         cache_key(b"image", "m", "v1", "cpu:embed")}
+    with pytest.raises(ValueError, match="unknown task"):
+        cache_key(b"image", "m", "v1", "cpu", task="detect")
+
+
+def test_a_ranking_is_no_embedding_and_an_embedding_no_ranking(tmp_path, caplog):
+    cache = ResultCache(tmp_path, 10 * 1024**2)
+    ranking_key, embedding_key = cache_key(b"a", "m", "v1", "cpu"), embed_key(b"b")
+    cache.put(ranking_key, ranked(1))
+    cache.put_embedding(embedding_key, unit(1280))
+    assert cache.get_embedding(ranking_key) is None
+    assert cache.get(embedding_key) is None
+    assert cache.get(ranking_key) is not None  # each still answers as its own kind
+    assert cache.get_embedding(embedding_key) is not None
+    assert len(cache_warnings(caplog)) == 1
+
+
+def unit_bytes(dim: int) -> bytes:
+    return unit(dim).astype("<f4").tobytes()
+
+
+def with_value(index: int, value: float) -> bytes:
+    vec = unit(1280)
+    vec[index] = value
+    return EMBEDDING_MAGIC + vec.astype("<f4").tobytes()
+
+
+@pytest.mark.parametrize("stored", [
+    pytest.param(b"VGX1" + unit_bytes(1280), id="wrong-magic"),
+    pytest.param(MAGIC + unit_bytes(1280), id="ranking-magic"),
+    pytest.param(with_value(5, float("nan")), id="not-a-number"),
+    pytest.param(with_value(5, float("inf")), id="infinite"),
+    pytest.param(EMBEDDING_MAGIC + (2 * unit(1280)).astype("<f4").tobytes(),
+                 id="not-normalised"),
+    pytest.param(EMBEDDING_MAGIC + unit_bytes(1280) + b"\x00\x00", id="odd-length"),
+    pytest.param(EMBEDDING_MAGIC, id="0-d"),
+    pytest.param(EMBEDDING_MAGIC + unit_bytes(70_000), id="70000-d"),
+])
+def test_a_planted_embedding_is_a_miss_logged_once(tmp_path, caplog, stored):
+    keys = [embed_key(str(i).encode()) for i in range(3)]
+    plant(tmp_path, dict.fromkeys(keys, stored), disk_min_file_size=2**30)  # in the database
+    cache = ResultCache(tmp_path, 10 * 1024**2)
+    for key in keys * 2:
+        assert cache.get_embedding(key) is None
+    assert len(cache_warnings(caplog)) == 1
+    assert "could not be used" in cache_warnings(caplog)[0]
+
+
+@pytest.mark.parametrize("stored", [
+    pytest.param(EMBEDDING_MAGIC + unit_bytes(1), id="1-d"),
+    pytest.param(EMBEDDING_MAGIC + unit_bytes(MAX_EMBEDDING_DIM), id="65536-d"),
+    pytest.param(EMBEDDING_MAGIC + (unit(1280) * (1 + 5e-4)).astype("<f4").tobytes(),
+                 id="norm-within-tolerance"),
+])
+def test_an_embedding_at_the_limits_is_a_hit(tmp_path, stored):
+    key = embed_key(b"image")
+    plant(tmp_path, {key: stored}, disk_min_file_size=2**30)
+    hit = ResultCache(tmp_path, 10 * 1024**2).get_embedding(key)
+    assert hit is not None and hit.tobytes() == stored[len(EMBEDDING_MAGIC):]
+
+
+def test_decode_embedding_names_the_problem():
+    with pytest.raises(UnusableEntry, match="norm"):
+        decode_embedding(EMBEDDING_MAGIC + (2 * unit(8)).astype("<f4").tobytes())
+
+
+def test_a_planted_pickle_under_an_embed_key_is_never_loaded(tmp_path):
+    marker = tmp_path / "code-ran"
+    key = embed_key(b"image")
+    plant(tmp_path / "cache", {key: Payload(marker)})
+    assert ResultCache(tmp_path / "cache", 10 * 1024**2).get_embedding(key) is None
+    assert not marker.exists(), "the cache unpickled what it read"
+
+
+@pytest.mark.parametrize("vec", [
+    pytest.param(2 * unit(1280), id="not-normalised"),
+    pytest.param(np.zeros(1280, np.float32), id="zero"),
+    pytest.param(unit(1280).reshape(1, 1280), id="a-batch-of-one"),
+    pytest.param(np.float32(1.0), id="0-d"),
+])
+def test_an_embedding_that_would_not_be_read_back_is_not_kept(tmp_path, caplog, vec):
+    with pytest.raises(ValueError, match="not kept"):
+        encode_embedding(vec)
+    cache = ResultCache(tmp_path, 10 * 1024**2)
+    for key in (embed_key(b"a"), embed_key(b"b")):
+        cache.put_embedding(key, vec)
+        assert cache.get_embedding(key) is None
+    assert len(cache) == 0
+    assert len(cache_warnings(caplog)) == 1 and "not cached" in cache_warnings(caplog)[0]
+
+
+def test_a_full_disk_does_not_fail_embeddings(small_disk, caplog):
+    cache = ResultCache(small_disk / "cache", 10 * 1024**2)
+    fill(small_disk)
+    keys = [embed_key(str(i).encode()) for i in range(3)]
+    for i, key in enumerate(keys):
+        cache.put_embedding(key, unit(1280, seed=i))
+    assert [cache.get_embedding(key) for key in keys] == [None] * 3
+    cache.close()
+    warnings = cache_warnings(caplog)
+    assert len(warnings) == 1 and "cannot be written" in warnings[0]
+
+
+def test_a_locked_database_does_not_fail_embeddings(tmp_path, monkeypatch, caplog):
+    """Another program holds the write lock longer than the store waits for it (diskcache's
+    60 s, shortened here to keep the test fast). Reads go on meanwhile (WAL)."""
+    monkeypatch.setattr(diskcache, "Cache", functools.partial(diskcache.Cache, timeout=0.1))
+    cache = ResultCache(tmp_path, 10 * 1024**2)
+    kept, refused = embed_key(b"kept"), embed_key(b"refused")
+    cache.put_embedding(kept, unit(1280))
+    with contextlib.closing(sqlite3.connect(tmp_path / "cache.db", isolation_level=None)) as other:
+        other.execute("BEGIN EXCLUSIVE")
+        cache.put_embedding(refused, unit(1280, seed=1))
+        cache.put(cache_key(b"refused", "m", "v1", "cpu"), ranked(1))  # the same write path
+        assert np.array_equal(cache.get_embedding(kept), unit(1280))
+        other.execute("ROLLBACK")
+    assert cache.get_embedding(refused) is None
+    cache.close()
+    warnings = cache_warnings(caplog)
+    assert len(warnings) == 1 and "cannot be written" in warnings[0]

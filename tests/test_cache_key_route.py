@@ -50,7 +50,7 @@ async def _scenario(tmp_path: Path) -> list[bool]:
             assert runtime.model.weights_version
             reloaded = dataclasses.replace(runtime.model,
                                            weights_version=runtime.model.weights_version + "-2")
-            engine.runtime = dataclasses.replace(runtime, model=reloaded)
+            engine.runtimes[reloaded.name] = dataclasses.replace(runtime, model=reloaded)
             flags += [(await _classify(client, body))["cached"] for _ in range(2)]
             return flags
     finally:

@@ -44,12 +44,11 @@ def serving(monkeypatch):
     engine = InferenceEngine(Settings(device="cuda", idle_release_s=0))
     probe = CudaProbe(DEVICE, WEIGHTS)
     fit = MemoryFit(0, PER_IMAGE)
-    guard = MemoryGuard(Budget(4 * GiB, 1.0, WEIGHTS, 0, cap=GiB), fit, max_batch=8)
+    guard = MemoryGuard(Budget(4 * GiB, 1.0, WEIGHTS, 0, cap=GiB + WEIGHTS), fit, max_batch=8)
     forward = StandInForward(cuda, PER_IMAGE)
     memory = MemoryProfile(WEIGHTS, 0, 0, fit, [(1, PER_IMAGE)])
-    engine.runtime = Runtime(None, None, probe, guard, OomRecovery(forward, guard, probe),
-                             memory, None)  # type: ignore[arg-type]
-    engine.batcher.set_max_batch(8)
+    engine.install(Runtime(None, None, probe, guard, OomRecovery(forward, guard, probe),
+                           memory, None), name="stand-in")  # type: ignore[arg-type]
     engine.phase = Phase.READY
     probe.reset_peak()
     engine.batcher.start()

@@ -202,11 +202,12 @@ def gpu(monkeypatch, tmp_path):
                                                **settings))
         probe = CudaProbe(torch.device("cuda", 0), WEIGHTS)
         fit = MemoryFit(0, 100 * MiB)
-        guard = MemoryGuard(Budget(8 * GiB, 1.0, WEIGHTS, 0, cap=2 * GiB), fit, max_batch=8)
+        guard = MemoryGuard(Budget(8 * GiB, 1.0, WEIGHTS, 0, cap=2 * GiB + WEIGHTS), fit,
+                            max_batch=8)
         recovery = OomRecovery(StandInForward(cuda, 100 * MiB), guard, probe)
-        engine.runtime = Runtime(None, None, probe, guard, recovery,
-                                 MemoryProfile(WEIGHTS, 0, 0, fit, [(1, 100 * MiB)]), None)
-        engine.batcher.set_max_batch(8)
+        engine.install(Runtime(None, None, probe, guard, recovery,  # type: ignore[arg-type]
+                               MemoryProfile(WEIGHTS, 0, 0, fit, [(1, 100 * MiB)]), None),
+                       name="stand-in")
         engine.phase = Phase.READY
         engine.batcher.start()
         engines.append(engine)

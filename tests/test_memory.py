@@ -62,7 +62,8 @@ def test_budget_worked_example():
 
 
 def test_budget_cap_and_floor():
-    assert Budget(24 * GiB, 0.7, 4 * GiB, 2 * GiB, cap=1 * GiB).bytes == 1 * GiB
+    # The cap limits the weights and the images in flight together: 5 GiB - 4 GiB.
+    assert Budget(24 * GiB, 0.7, 4 * GiB, 2 * GiB, cap=5 * GiB).bytes == 1 * GiB
     assert Budget(8 * GiB, 0.7, 4 * GiB, 3 * GiB).bytes == 0
 
 

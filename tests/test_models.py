@@ -5,13 +5,28 @@ from __future__ import annotations
 import pytest
 import torch
 import torchvision.models
-from images import coffee_image
+from images import photo
 
-from app.models import ModelLoadError, available_models, load_model, resolve_weights
+from app.imaging import Preprocessing, open_image
+from app.models import LoadedModel, ModelLoadError, available_models, load_model, resolve_weights
 from app.models.efficientnet_lite import PREPROCESSING
-from app.pixels import preprocess
+from app.pixels import model_input
 
 CPU = torch.device("cpu")
+MAX_PIXELS = 40_000_000  # the default max_image_pixels
+
+
+def model_pixels(spec: Preprocessing, name: str = "coffee.jpg") -> torch.Tensor:
+    """A test photo as the server makes it (decode worker's crop, then normalised)."""
+    return torch.from_numpy(model_input(open_image(photo(name), MAX_PIXELS, spec.resize), spec))
+
+
+def probabilities(model: LoadedModel, spec: Preprocessing | None = None,
+                  name: str = "coffee.jpg") -> torch.Tensor:
+    """Class probabilities for one test photo, with the model's preprocessing unless told."""
+    with torch.inference_mode():
+        pixels = model_pixels(spec or model.preprocessing, name)
+        return model.module(pixels[None]).softmax(-1)[0]
 
 
 def test_default_model_loads_offline_in_eval_mode():
@@ -30,9 +45,7 @@ def test_inception_normalisation_beats_imagenet_statistics():
     imagenet = replace(PREPROCESSING, mean=(123.675, 116.28, 103.53), std=(58.395, 57.12, 57.375))
     scores = {}
     for name, spec in (("inception", PREPROCESSING), ("imagenet", imagenet)):
-        with torch.inference_mode():
-            pixels = torch.from_numpy(preprocess(coffee_image(), spec))
-            probs = model.module(pixels[None]).softmax(-1)[0]
+        probs = probabilities(model, spec)
         assert int(probs.argmax()) == 967
         scores[name] = float(probs[967])
     assert scores["inception"] > scores["imagenet"] + 0.05
@@ -84,4 +97,5 @@ def test_errors_for_unknown_models_and_wrong_files(tmp_path):
 
 def test_available_models_lists_the_default_first():
     names = available_models()
-    assert names[0] == "efficientnet_lite0" and "resnet50" in names
+    assert names[:3] == ["efficientnet_lite0", "efficientnet_lite1", "efficientnet_lite2"]
+    assert "resnet50" in names

@@ -1,7 +1,12 @@
-"""The micro-batcher and the one thread that owns the device.
+"""The micro-batcher and the one thread that owns the device, shared by every model.
 
-Requests go into a bounded queue. The device thread takes whatever is queued
-(up to the batch size) as soon as it is free, so an idle device never waits;
+Each model has a lane: its own queue, batch size, memory limit and measured service
+rate. The device thread serves the lanes with work in turn, the one served least
+recently first (ties: the earliest deadline at the head of its queue), so a flood of
+requests for one model delays another model's next batch by at most one batch of each
+other busy model. Within a lane, requests go into a bounded queue. The device thread
+takes whatever is queued (up to the batch size) as soon as it is free, so an idle
+device never waits;
 while it is busy, new requests pile up and form the next batch. An optional
 wait window lets a batch fill up, counted from its FIRST arrival (not from
 when the thread looks), so no request waits longer than the window.
@@ -12,14 +17,17 @@ runs on this thread: ``call`` hands it arbitrary work between batches.
 A request is admitted before its image is even read (``reserve``): when the images
 already admitted would keep its answer past its deadline, it is refused at once, so a
 refusal never costs an upload or a decode. The wait is predicted from the seconds per
-image the device thread measures on its own batches.
+image the device thread measures on each lane's batches; a lane's wait counts the
+batches of the other lanes that the turns put before it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import itertools
 import logging
+import math
 import statistics
 import threading
 import time
@@ -43,6 +51,7 @@ RATE_WINDOW = 15
 # rest absorbs its reading and decoding and the swings of the measured rate, so that
 # little admitted work expires after it was read and decoded.
 ADMISSION_SHARE = 0.8
+DEFAULT_LANE = "default"
 
 
 def _without_traceback(exc: Exception) -> Exception:
@@ -105,21 +114,66 @@ class Reservation:
             self._release()
 
 
+class Lane(Generic[P, R]):
+    """One model's queue and what is measured about it; the batcher's lock guards it."""
+
+    def __init__(self, name: str, run_batch: Callable[[list[P]], Sequence[R]], max_batch: int,
+                 batch_limit: Callable[[], int] | None) -> None:
+        if max_batch < 1:
+            raise ValueError("max_batch must be >= 1")
+        self.name = name
+        self.run_batch = run_batch
+        self.batch_limit = batch_limit
+        self.max_batch = max_batch
+        self.queue: deque[WorkItem[P, R]] = deque()
+        self.reserved = 0
+        self.in_flight = 0
+        self.turn = 0  # when it was last served, in batches of the whole batcher
+        self.seconds_per_item = 0.0
+        self.recent: deque[float] = deque(maxlen=RATE_WINDOW)  # seconds per image
+        self.last_end: float | None = None  # when its last batch ended
+        self.had_backlog = False  # images were waiting when it ended
+        # Only full batches are measured: the wait that admission predicts matters when a
+        # backlog forms, and then batches are full. A lone image's batch costs more per
+        # image (on a GPU, nearly as much as a full batch) and would refuse bursts.
+        self.full = False
+        self.stats = BatcherStats()
+
+    @property
+    def waiting(self) -> int:
+        """Images admitted and not yet in a batch: being read or decoded, or queued."""
+        return self.reserved + len(self.queue)
+
+    def measure(self, took_s: float, items: int) -> None:
+        """Add a batch's seconds per image to the recent ones; their median is the estimate."""
+        if took_s <= 0:
+            return
+        self.recent.append(took_s / items)
+        self.seconds_per_item = statistics.median(self.recent)
+
+    def set_service_rate(self, items_per_second: float) -> None:
+        self.seconds_per_item = 1.0 / items_per_second if items_per_second > 0 else 0.0
+        self.recent.clear()
+
+
 class MicroBatcher(Generic[P, R]):
-    """Bounded queue + dedicated device thread running ``run_batch`` on lists of payloads.
+    """Bounded queues + the dedicated device thread running each lane's ``run_batch`` on
+    lists of its payloads.
 
     ``run_batch`` must return one result per payload, in order; a result that
     is an exception fails just its request. An exception raised by
     ``run_batch`` fails exactly the requests of that batch; the thread carries
     on. ``batch_limit`` (the memory guard) caps each batch; while it says 0,
-    requests wait, up to their deadline.
+    requests wait, up to their deadline. Given a ``run_batch``, the batcher starts
+    with one lane, ``DEFAULT_LANE``. A call without a lane name means the first lane
+    still open. ``queue_size`` bounds all lanes together.
     """
 
     def __init__(
         self,
-        run_batch: Callable[[list[P]], Sequence[R]],
+        run_batch: Callable[[list[P]], Sequence[R]] | None = None,
         *,
-        max_batch: int,
+        max_batch: int = 1,
         max_wait_s: float = 0.0,
         queue_size: int = 256,
         clock: Callable[[], float] = time.monotonic,
@@ -128,67 +182,91 @@ class MicroBatcher(Generic[P, R]):
     ) -> None:
         if max_batch < 1 or queue_size < 1 or max_wait_s < 0:
             raise ValueError("max_batch and queue_size must be >= 1, max_wait_s >= 0")
-        self._run_batch = run_batch
-        self.batch_limit = batch_limit
-        self._max_batch = max_batch
         self._max_wait_s = max_wait_s
         self._queue_size = queue_size
         self._clock = clock
-        self._queue: deque[WorkItem[P, R]] = deque()
+        self._lanes: dict[str, Lane[P, R]] = {}
+        self._turns = itertools.count(1)
         self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._cond = threading.Condition()
         self._stopping = False
-        self._in_flight = 0
-        self._reserved = 0
-        self._seconds_per_item = 0.0
-        self._recent: deque[float] = deque(maxlen=RATE_WINDOW)  # seconds per image
-        self._last_end: float | None = None  # when the last batch ended
-        self._backlog = False  # images were waiting when it ended
-        # Only full batches are measured: the wait that admission predicts matters when a
-        # backlog forms, and then batches are full. A lone image's batch costs more per
-        # image (on a GPU, nearly as much as a full batch) and would refuse bursts.
-        self._full = False
-        self.stats = BatcherStats()
+        self.stats = BatcherStats()  # every lane's batches together
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        if run_batch is not None:
+            self.add_lane(DEFAULT_LANE, run_batch, max_batch=max_batch, batch_limit=batch_limit)
+
+    # -- lanes -------------------------------------------------------------------------------
+
+    def add_lane(self, name: str, run_batch: Callable[[list[P]], Sequence[R]], *,
+                 max_batch: int = 1, batch_limit: Callable[[], int] | None = None
+                 ) -> Lane[P, R]:
+        """A new lane (a model that has just loaded); its requests start being served."""
+        lane = Lane(name, run_batch, max_batch, batch_limit)
+        with self._cond:
+            if name in self._lanes:
+                raise ValueError(f"lane {name!r} exists")
+            self._lanes[name] = lane
+        return lane
+
+    def remove_lane(self, name: str, error: Exception) -> None:
+        """Remove a lane (its model unloads): whatever is still queued fails with ``error``.
+        Places reserved in it are refused when they submit."""
+        with self._cond:
+            lane = self._lanes.pop(name, None)
+            leftovers = list(lane.queue) if lane is not None else []
+            if lane is not None:
+                lane.queue.clear()
+        for item in leftovers:
+            self._fail(item, error)
+
+    def lane(self, name: str | None = None) -> Lane[P, R]:
+        """The lane called ``name`` (KeyError if none); without a name, the first lane
+        still open (the batcher's own, or the engine's first model's)."""
+        if name is None:
+            return next(iter(self._lanes.values()))  # StopIteration: no lane at all
+        return self._lanes[name]
+
+    @property
+    def lanes(self) -> list[Lane[P, R]]:
+        return list(self._lanes.values())
 
     # -- configuration ---------------------------------------------------------------------
 
     @property
     def max_batch(self) -> int:
-        return self._max_batch
+        return self.lane().max_batch
 
-    def set_max_batch(self, size: int) -> None:
-        """Change the batch size (e.g. after warmup has measured the best one)."""
+    def set_max_batch(self, size: int, lane: str | None = None) -> None:
+        """Change a lane's batch size (e.g. after warmup has measured the best one)."""
         with self._cond:
-            self._max_batch = max(1, size)
+            self.lane(lane).max_batch = max(1, size)
             self._cond.notify_all()
 
-    def set_service_rate(self, items_per_second: float) -> None:
+    def set_service_rate(self, items_per_second: float, lane: str | None = None) -> None:
         """Start from this rate (warmup's, measured alone); every batch then updates it with
         what it took, which includes the decoding and HTTP work competing for the CPU."""
-        self._seconds_per_item = 1.0 / items_per_second if items_per_second > 0 else 0.0
-        self._recent.clear()
+        self.lane(lane).set_service_rate(items_per_second)
 
     @property
     def seconds_per_item(self) -> float:
-        return self._seconds_per_item
+        return self.lane().seconds_per_item
 
     @property
     def reserved(self) -> int:
-        return self._reserved
+        return sum(lane.reserved for lane in self.lanes)
 
     @property
     def backlog(self) -> int:
-        """Images admitted and not yet in a batch: being read or decoded, or queued."""
-        return self._reserved + len(self._queue)
+        """Images admitted and not yet in a batch, in every lane."""
+        return sum(lane.waiting for lane in self.lanes)
 
     @property
     def queue_depth(self) -> int:
-        return len(self._queue)
+        return sum(len(lane.queue) for lane in self.lanes)
 
     @property
     def in_flight(self) -> int:
-        return self._in_flight
+        return sum(lane.in_flight for lane in self.lanes)
 
     @property
     def thread(self) -> threading.Thread:
@@ -203,8 +281,9 @@ class MicroBatcher(Generic[P, R]):
         """Refuse new work, fail what is still queued, and join the device thread."""
         with self._cond:
             self._stopping = True
-            leftovers = list(self._queue)
-            self._queue.clear()
+            leftovers = [item for lane in self._lanes.values() for item in lane.queue]
+            for lane in self._lanes.values():
+                lane.queue.clear()
             self._cond.notify_all()
         for item in leftovers:
             self._fail(item, Overloaded("vramguard is shutting down.", retry_after=5))
@@ -213,59 +292,74 @@ class MicroBatcher(Generic[P, R]):
 
     # -- submitting work -----------------------------------------------------------------------
 
-    def retry_after(self) -> float:
-        """Seconds until the current queue should have drained (at least 1)."""
-        return max(1.0, self.predicted_wait())
+    def retry_after(self, lane: str | None = None) -> float:
+        """Seconds until the lane's queue should have drained (at least 1)."""
+        return max(1.0, self.predicted_wait(lane))
 
-    def predicted_wait(self) -> float:
-        """Seconds a request admitted now would wait: everything reserved, queued and
-        running goes first, at the measured service rate."""
-        ahead = self._reserved + len(self._queue) + self._in_flight
-        return ahead * self._seconds_per_item
+    def predicted_wait(self, lane: str | None = None) -> float:
+        """Seconds a request admitted now to ``lane`` would wait: everything reserved,
+        queued and running in its lane goes first, at the lane's measured rate, and so do
+        the other lanes' batches that their turns put before its answer."""
+        own = self.lane(lane)
+        ahead = own.waiting + own.in_flight
+        wait = ahead * own.seconds_per_item
+        turns = math.ceil((own.waiting + 1) / own.max_batch)
+        for other in self.lanes:
+            if other is not own:
+                wait += (min(other.waiting + other.in_flight, turns * other.max_batch)
+                         * other.seconds_per_item)
+        return wait
 
-    def _check_room(self, timeout_s: float) -> None:
-        """Overloaded unless one more request fits in the queue and its answer is
+    def _check_room(self, lane: Lane[P, R], timeout_s: float) -> None:
+        """Overloaded unless one more request fits in the queues and its answer is
         predicted within ``timeout_s`` (a fast no beats a slow one). Hold the lock."""
         if self._stopping:
             raise Overloaded("vramguard is shutting down.", retry_after=5)
-        own_turn = self.predicted_wait() + self._seconds_per_item
-        if self._reserved + len(self._queue) >= self._queue_size or own_turn > timeout_s:
+        own_turn = self.predicted_wait(lane.name) + lane.seconds_per_item
+        if self.backlog >= self._queue_size or own_turn > timeout_s:
             raise Overloaded("vramguard is busy: too many images are waiting. "
-                             "Try again shortly.", retry_after=self.retry_after())
+                             "Try again shortly.", retry_after=self.retry_after(lane.name))
 
-    def reserve(self, timeout_s: float) -> Reservation:
-        """Keep a place in line for a request about to be read and decoded, or raise
+    def reserve(self, timeout_s: float, lane: str | None = None) -> Reservation:
+        """Keep a place in ``lane`` for a request about to be read and decoded, or raise
         Overloaded at once when it could not be answered within ``timeout_s``."""
         with self._cond:
-            self._check_room(timeout_s * ADMISSION_SHARE)
-            self._reserved += 1
-        return Reservation(self._unreserve)
+            own = self.lane(lane)
+            self._check_room(own, timeout_s * ADMISSION_SHARE)
+            own.reserved += 1
+        return Reservation(lambda: self._unreserve(own))
 
-    def _unreserve(self) -> None:
+    def _unreserve(self, lane: Lane[P, R]) -> None:
         with self._cond:
-            self._reserved -= 1
+            lane.reserved -= 1
 
-    def submit(self, payload: P, timeout_s: float,
-               reservation: Reservation | None = None) -> Future[R]:
+    def submit(self, payload: P, timeout_s: float, reservation: Reservation | None = None,
+               lane: str | None = None) -> Future[R]:
         """Queue ``payload`` in the place ``reservation`` kept, or, without one, only if
         there is room (Overloaded otherwise)."""
         now = self._clock()
         item: WorkItem[P, R] = WorkItem(payload, now, now + timeout_s)
         with self._cond:
+            own = self._lanes.get(lane) if lane is not None else next(
+                iter(self._lanes.values()), None)
             if reservation is not None and reservation.take():
-                self._reserved -= 1
+                if own is not None:
+                    own.reserved -= 1
                 if self._stopping:
                     raise Overloaded("vramguard is shutting down.", retry_after=5)
-            else:
-                self._check_room(timeout_s)
-            self._queue.append(item)
+            elif own is not None:
+                self._check_room(own, timeout_s)
+            if own is None:
+                raise Overloaded("The model was unloaded while this image was being read. "
+                                 "Try again.", retry_after=1)
+            own.queue.append(item)
             self._cond.notify_all()
         return item.future
 
     async def infer(self, payload: P, timeout_s: float,
-                    reservation: Reservation | None = None) -> R:
+                    reservation: Reservation | None = None, lane: str | None = None) -> R:
         """Submit and await the result; cancelling the caller withdraws a queued request."""
-        return await asyncio.wrap_future(self.submit(payload, timeout_s, reservation))
+        return await asyncio.wrap_future(self.submit(payload, timeout_s, reservation, lane))
 
     def call(self, fn: Callable[[], T]) -> Future[T]:
         """Run ``fn`` on the device thread between batches (loading, warmup, cache release)."""
@@ -282,7 +376,7 @@ class MicroBatcher(Generic[P, R]):
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._calls and not self._stopping:
+                while not self._has_work() and not self._calls and not self._stopping:
                     self._cond.wait()
                 if self._calls:
                     call = self._calls.popleft()
@@ -290,93 +384,122 @@ class MicroBatcher(Generic[P, R]):
                     return
                 else:
                     call = None
-                    self._wait_for_window()
-                    batch, dropped = self._take_batch()
-                    if not batch and self._queue:
+                    lane, batch, dropped = self._next_batch()
+                    if not batch and self._has_work():
                         self._cond.wait(MEMORY_POLL_S)  # nothing fits now: look again soon
             if call is not None:
                 self._run_call(*call)
                 continue
             for item, error in dropped:
                 self._fail(item, error)
-            if batch:
-                self._run(batch)
+            if batch and lane is not None:
+                self._run(lane, batch)
 
-    def _wait_for_window(self) -> None:
+    def _has_work(self) -> bool:
+        return any(lane.queue for lane in self._lanes.values())
+
+    def _order(self) -> list[Lane[P, R]]:
+        """Lanes with queued work, the one served least recently first; ties go to the
+        earliest deadline at the head of a queue."""
+        busy = [lane for lane in self._lanes.values() if lane.queue]
+        return sorted(busy, key=lambda lane: (lane.turn, lane.queue[0].deadline))
+
+    def _next_batch(self) -> tuple[Lane[P, R] | None, list[WorkItem[P, R]],
+                                   list[tuple[WorkItem[P, R], Exception]]]:
+        """The next lane's batch: the first lane in turn whose batch fits in memory now
+        (a lane that does not fit must not hold up one that does)."""
+        dropped: list[tuple[WorkItem[P, R], Exception]] = []
+        for position, lane in enumerate(self._order()):
+            if position == 0:
+                self._wait_for_window(lane)
+                if not lane.queue or self._calls or self._stopping:
+                    return None, [], dropped
+            batch = self._take_batch(lane, dropped)
+            if batch:
+                lane.turn = next(self._turns)
+                return lane, batch, dropped
+        return None, [], dropped
+
+    def _wait_for_window(self, lane: Lane[P, R]) -> None:
         """With a window configured, let the batch fill until FIRST arrival + window."""
         if self._max_wait_s <= 0:
             return
-        close_at = self._queue[0].enqueued_at + self._max_wait_s
-        while (len(self._queue) < self._max_batch and not self._stopping
+        close_at = lane.queue[0].enqueued_at + self._max_wait_s
+        while (lane.queue and len(lane.queue) < lane.max_batch and not self._stopping
                and not self._calls):
             remaining = close_at - self._clock()
             if remaining <= 0:
                 return
             self._cond.wait(remaining)
 
-    def _take_batch(self) -> tuple[list[WorkItem[P, R]], list[tuple[WorkItem[P, R], Exception]]]:
-        """Pop up to max_batch live items; expired or withdrawn ones are set aside."""
+    def _take_batch(self, lane: Lane[P, R],
+                    dropped: list[tuple[WorkItem[P, R], Exception]]) -> list[WorkItem[P, R]]:
+        """Pop up to the lane's batch size of live items; expired or withdrawn ones are set
+        aside in ``dropped``."""
         batch: list[WorkItem[P, R]] = []
-        dropped: list[tuple[WorkItem[P, R], Exception]] = []
         now = self._clock()
-        limit = self._max_batch
-        if self.batch_limit is not None:
-            limit = min(limit, self.batch_limit())
+        limit = lane.max_batch
+        if lane.batch_limit is not None:
+            limit = min(limit, lane.batch_limit())
         if limit <= 0:  # nothing fits: only clear out what has expired or been withdrawn
-            self._drop_stale(now, dropped)
-            return batch, dropped
-        answer_by = now + self._seconds_per_item * min(limit, len(self._queue))  # answers due
-        while self._queue and len(batch) < limit:
-            item = self._queue.popleft()
-            if self._set_aside(item, answer_by, dropped):
+            self._drop_stale(lane, now, dropped)
+            return batch
+        answer_by = now + lane.seconds_per_item * min(limit, len(lane.queue))  # answers due
+        while lane.queue and len(batch) < limit:
+            item = lane.queue.popleft()
+            if self._set_aside(lane, item, answer_by, dropped):
                 continue
             if item.future.set_running_or_notify_cancel():
                 batch.append(item)
             else:  # withdrawn just now
-                self.stats.cancelled += 1
-        self._in_flight = len(batch)
-        self._full = len(batch) >= limit
-        return batch, dropped
+                self._counted(lane, "cancelled")
+        lane.in_flight = len(batch)
+        lane.full = len(batch) >= limit
+        return batch
 
-    def _drop_stale(self, now: float, dropped: list[tuple[WorkItem[P, R], Exception]]) -> None:
+    def _drop_stale(self, lane: Lane[P, R], now: float,
+                    dropped: list[tuple[WorkItem[P, R], Exception]]) -> None:
         """Remove the withdrawn and the expired from the queue; keep the rest in order."""
-        answer_by = now + self._seconds_per_item  # a batch of one, at the soonest
-        self._queue = deque(item for item in self._queue
-                            if not self._set_aside(item, answer_by, dropped))
+        answer_by = now + lane.seconds_per_item  # a batch of one, at the soonest
+        lane.queue = deque(item for item in lane.queue
+                           if not self._set_aside(lane, item, answer_by, dropped))
 
-    def _set_aside(self, item: WorkItem[P, R], answer_by: float,
+    def _set_aside(self, lane: Lane[P, R], item: WorkItem[P, R], answer_by: float,
                    dropped: list[tuple[WorkItem[P, R], Exception]]) -> bool:
         """The one rule for a queued item that must not run: withdrawn (just counted), or
         unable to have its answer by its deadline (counted, and added to ``dropped`` to fail
         outside the lock). The deadline promises when the answer arrives, so an item whose
         batch would finish after it is not started."""
         if item.future.cancelled():
-            self.stats.cancelled += 1
+            self._counted(lane, "cancelled")
             return True
         if answer_by > item.deadline:
-            self.stats.expired += 1
-            dropped.append((item, self._expired_error()))
+            self._counted(lane, "expired")
+            dropped.append((item, DeadlineExceeded(
+                "vramguard could not get to this image in time because it is busy. "
+                "Try again shortly.", retry_after=self.retry_after(lane.name))))
             return True
         return False
 
-    def _expired_error(self) -> DeadlineExceeded:
-        return DeadlineExceeded("vramguard could not get to this image in time because it is "
-                                "busy. Try again shortly.", retry_after=self.retry_after())
+    def _counted(self, lane: Lane[P, R], counter: str) -> None:
+        for stats in (self.stats, lane.stats):
+            setattr(stats, counter, getattr(stats, counter) + 1)
 
-    def _run(self, batch: list[WorkItem[P, R]]) -> None:
+    def _run(self, lane: Lane[P, R], batch: list[WorkItem[P, R]]) -> None:
         started = self._clock()
-        # With a backlog, the time since the last batch ended counts too (taking this one,
-        # waiting for the interpreter lock): it is part of how fast the queue drains.
-        began = self._last_end if self._backlog and self._last_end is not None else started
+        # With a backlog, the time since the lane's last batch ended counts too (taking this
+        # one, waiting for the interpreter lock): it is part of how fast the queue drains.
+        began = lane.last_end if lane.had_backlog and lane.last_end is not None else started
         try:
-            results = self._run_batch([item.payload for item in batch])
+            results = lane.run_batch([item.payload for item in batch])
             if len(results) != len(batch):
                 raise RuntimeError(f"batch of {len(batch)} gave {len(results)} results")
-            if self._full:
-                self._measure(self._clock() - began, len(batch))
+            if lane.full:
+                lane.measure(self._clock() - began, len(batch))
         except Exception as exc:
             log.exception("batch of %d failed", len(batch))
-            self.stats.failed_batches += 1
+            for stats in (self.stats, lane.stats):
+                stats.failed_batches += 1
             for item in batch:
                 item.future.set_exception(_without_traceback(exc))
         else:
@@ -386,20 +509,14 @@ class MicroBatcher(Generic[P, R]):
                 else:
                     item.future.set_result(result)
         finally:
-            self.stats.batches += 1
-            self.stats.items += len(batch)
-            self.stats.largest_batch = max(self.stats.largest_batch, len(batch))
-            self.stats.sizes[len(batch)] += 1
-            self._in_flight = 0
-            self._last_end = self._clock()
-            self._backlog = bool(self._queue)
-
-    def _measure(self, took_s: float, items: int) -> None:
-        """Add a batch's seconds per image to the recent ones; their median is the estimate."""
-        if took_s <= 0:
-            return
-        self._recent.append(took_s / items)
-        self._seconds_per_item = statistics.median(self._recent)
+            for stats in (self.stats, lane.stats):
+                stats.batches += 1
+                stats.items += len(batch)
+                stats.largest_batch = max(stats.largest_batch, len(batch))
+                stats.sizes[len(batch)] += 1
+            lane.in_flight = 0
+            lane.last_end = self._clock()
+            lane.had_backlog = bool(lane.queue)
 
     @staticmethod
     def _run_call(fn: Callable[[], Any], future: Future[Any]) -> None:

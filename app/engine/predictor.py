@@ -14,17 +14,22 @@ from typing import Any
 import numpy as np
 import torch
 
-from app.models import LoadedModel
+from app.models import LoadedModel, tap_features
 
 CUDNN_BENCHMARK = False  # why: see Predictor.__init__
 
 
+CLASSIFY, EMBED = "classify", "embed"  # what a request wants from the forward pass
+
+
 @dataclass(frozen=True)
 class Sample:
-    """One preprocessed image and how many classes its client wants back."""
+    """One preprocessed image, how many classes its client wants back, and whether it
+    wants its ranking (``CLASSIFY``) or its features (``EMBED``)."""
 
     pixels: torch.Tensor
     top_k: int
+    task: str = CLASSIFY
 
 
 @dataclass(frozen=True)
@@ -40,10 +45,12 @@ class Ranked:
 
 @dataclass(frozen=True)
 class Prediction:
-    """A ranking plus the size of the batch it was computed in."""
+    """A ranking (or, for ``EMBED``, the L2-normalised features) plus the size of the batch
+    it was computed in."""
 
     ranked: Ranked
     batch_size: int
+    embedding: np.ndarray | None = None
 
 
 def numerics(device: torch.device) -> str:
@@ -136,12 +143,23 @@ class Predictor:
             batch = torch.stack(pixels).to(self.model.device)
         else:
             batch = self.staging.upload(pixels, self.model.device)
+        embedded: list[np.ndarray | None] = [None] * len(samples)
         with torch.inference_mode():
-            probs = self.model.module(batch).float().softmax(dim=-1)
+            if any(s.task == EMBED for s in samples):
+                with tap_features(self.model.module) as tap:
+                    logits = self.model.module(batch)
+                features = torch.nn.functional.normalize(tap.features.float(), dim=-1)
+                rows = features.cpu().numpy()
+                embedded = [rows[i] if s.task == EMBED else None
+                            for i, s in enumerate(samples)]
+            else:
+                logits = self.model.module(batch)
+            probs = logits.float().softmax(dim=-1)
             scores, indices = probs.topk(k, dim=-1)
             scores, indices = scores.cpu().numpy(), indices.cpu().numpy()
         size = len(samples)
-        return [Prediction(Ranked(indices[i], scores[i]), size) for i in range(size)]
+        return [Prediction(Ranked(indices[i], scores[i]), size, embedded[i])
+                for i in range(size)]
 
     def random_batch(self, size: int) -> list[Sample]:
         """Inputs of the real shape for warmup; their content does not matter."""

@@ -54,6 +54,8 @@ _CLIENT_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _ADMIN_CALLER = "#admin"  # appended to an authenticated caller's key (ids cannot hold '#')
 HANDSHAKES = frozenset({"/v1/identity", "/v1/ui/session"})
 NOT_GLOBAL = frozenset({"/healthz", "/readyz", "/v1/events"})
+# Routes that send an image to a model: they share the classify buckets.
+IMAGE_ROUTES = frozenset({"/v1/classify", "/v1/embed"})
 _EPSILON = 1e-9  # float refill arithmetic must not deny a token that is due
 
 
@@ -173,7 +175,7 @@ def route_family(method: str, path: str) -> str:
     """classify, admin (state-changing /v1 calls) or read (everything else), by the
     request's shape alone (also the metrics' label); ``RateLimitMiddleware`` charges
     only requests for routes that exist."""
-    if path == "/v1/classify":
+    if path in IMAGE_ROUTES:
         return "classify"
     if method == "POST" and path.startswith("/v1/"):
         return "admin"

@@ -1,4 +1,11 @@
-"""The VRAM budget: ``total x fraction - weights - workspaces - overhead``, optionally capped.
+"""The VRAM budget for images in flight.
+
+``room = total x fraction - workspaces - overhead``, capped by the ``memory_budget``
+setting, is what vramguard's models may take together on the device; the budget for
+images in flight is what the loaded models' weights leave of it:
+``budget = room - sum of the loaded models' weights``. Every batch is sized to it, and a
+model loads only when ``sum of weights + the largest batch of any loaded model`` fits in
+``room`` (see ``app.engine.residency``).
 
 Kept as plain arithmetic so it can be printed line by line (`vramguard
 doctor`) and tested with numbers.
@@ -23,30 +30,41 @@ class Budget:
     workspaces: int = 0
 
     @property
-    def formula_bytes(self) -> int:
-        return int(self.total * self.fraction) - self.weights - self.workspaces - self.overhead
+    def formula_room(self) -> int:
+        return int(self.total * self.fraction) - self.workspaces - self.overhead
 
     @property
-    def bytes(self) -> int:
-        value = self.formula_bytes
+    def room(self) -> int:
+        """What the models may take together: weights and the batch in flight."""
+        value = self.formula_room
         if self.cap is not None:
             value = min(value, self.cap)
         return max(0, value)
+
+    @property
+    def formula_bytes(self) -> int:
+        return self.formula_room - self.weights
+
+    @property
+    def bytes(self) -> int:
+        return max(0, self.room - self.weights)
 
     def lines(self) -> list[str]:
         """The worked example, e.g. '24.0 GiB x 0.70 - 4.0 GiB - 2.0 GiB = 10.8 GiB'."""
         out = [
             f"device memory      {human_bytes(self.total)}",
             f"x fraction         {self.fraction:.2f} = {human_bytes(self.total * self.fraction)}",
-            f"- model weights    {human_bytes(self.weights)}",
             *([f"- workspaces       {human_bytes(self.workspaces)} (kept allocated by GPU "
                "libraries after warmup)"] if self.workspaces else []),
             f"- overhead         {human_bytes(self.overhead)} (measured: device use torch "
             "does not hold)",
-            f"= budget           {human_bytes(self.formula_bytes)}",
+            f"= room for models  {human_bytes(self.formula_room)}",
         ]
-        if self.cap is not None:
-            out.append(f"capped by setting  {human_bytes(self.cap)}")
-        if self.bytes != self.formula_bytes:
+        if self.cap is not None and self.cap < self.formula_room:
+            out.append(f"capped by setting  {human_bytes(self.cap)} (memory_budget)")
+        out += [f"- model weights    {human_bytes(self.weights)} (every loaded model)",
+                f"= budget           {human_bytes(self.room - self.weights)} (images in "
+                "flight)"]
+        if self.bytes != self.room - self.weights:
             out.append(f"budget in force    {human_bytes(self.bytes)}")
         return out

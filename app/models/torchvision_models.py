@@ -8,7 +8,10 @@ on a connected machine would have put it.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from functools import cache
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -16,19 +19,45 @@ import torchvision.models
 from torch import nn
 
 from app.imaging import Preprocessing
+from app.models import efficientnet_lite
 from app.models.types import ModelLoadError
+
+FAMILY = "torchvision"
+
+
+@cache
+def _names() -> tuple[str, ...]:
+    return tuple(sorted(torchvision.models.list_models(module=torchvision.models)))
 
 
 def names() -> list[str]:
     """The classification architectures this torchvision provides."""
-    return sorted(torchvision.models.list_models(module=torchvision.models))
+    return list(_names())
 
 
 def _weights_enum(name: str) -> Any:
-    if name not in names():
-        raise ModelLoadError(f"Unknown model '{name}'. Use efficientnet_lite0 or one of: "
-                             f"{', '.join(names())}.")
+    if name not in _names():
+        raise ModelLoadError(f"Unknown model '{name}'. Use "
+                             f"{', '.join(efficientnet_lite.MODELS)} or one of: "
+                             f"{', '.join(_names())}.")
     return torchvision.models.get_model_weights(name).DEFAULT
+
+
+@cache
+def expected_files() -> Mapping[str, tuple[str, int]]:
+    """Architecture name -> (its default weights' file name in the checkpoints folder, its
+    input size). Cached: the catalogue asks on every request, and the answer only changes
+    with torchvision itself."""
+    found = {}
+    for name in _names():
+        enum = _weights_enum(name)
+        found[name] = (os.path.basename(str(enum.url)), int(enum.transforms().crop_size[0]))
+    return MappingProxyType(found)
+
+
+def checkpoints_dir() -> Path:
+    """Where torchvision keeps downloaded weights (``torch.hub.get_dir()``/checkpoints)."""
+    return Path(torch.hub.get_dir()) / "checkpoints"
 
 
 def weights_file(name: str, weights: Path | None) -> Path:
@@ -38,8 +67,7 @@ def weights_file(name: str, weights: Path | None) -> Path:
         if not weights.is_file():
             raise ModelLoadError(f"The weights file {weights} does not exist.")
         return weights
-    filename = os.path.basename(str(enum.url))
-    cached = Path(torch.hub.get_dir()) / "checkpoints" / filename
+    cached = checkpoints_dir() / expected_files()[name][0]
     if cached.is_file():
         return cached
     raise ModelLoadError(

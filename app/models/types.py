@@ -26,6 +26,10 @@ class LoadedModel:
     weights_file: Path
     weights_version: str
     device: torch.device
+    # Length of the penultimate features (``app.models.features``); 0 when the model has
+    # no final linear layer to take them from (SqueezeNet classifies with a convolution).
+    # A default, so stand-in models built without a registry need not know it.
+    feature_dim: int = 0
 
     @property
     def num_classes(self) -> int:

@@ -1,0 +1,166 @@
+"""What every route that sends an image to a model does: find the model (loading it when
+a request asks for one not loaded), take a place in line (or 503 before the upload is
+read), read the upload, decode it in a decode worker process through the CPU pool (or
+answer from the result cache), and queue it for the device thread in its place."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import suppress
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from fastapi import Request
+from starlette.datastructures import UploadFile
+
+from app.cache import cache_key
+from app.engine.predictor import CLASSIFY, EMBED, Ranked, Sample, numerics
+from app.errors import BadRequest, ClientGone, UnsupportedMediaType, too_busy_to_start
+from app.gates.body_limit import body_done
+from app.models import LoadedModel
+from app.state import AppState, state_of
+
+_NOT_IMAGES = {"image/svg+xml": "SVG drawings", "image/x-icon": "icons"}
+BODY_DOC = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "image/*": {"schema": {"type": "string", "format": "binary"}},
+            "multipart/form-data": {
+                "schema": {"type": "object", "required": ["file"],
+                           "properties": {"file": {"type": "string", "format": "binary"}}}
+            },
+        },
+    }
+}
+KEEP_ALIVE_DOC = ("Seconds the model stays loaded after this request (-1: for ever, 0: "
+                  "unload when done); default: the keep_alive_s setting.")
+Cached = Ranked | np.ndarray
+
+
+@dataclass(frozen=True)
+class Served:
+    """One image's answer: a ranking (and features, for an embedding), where it came from."""
+
+    model: LoadedModel
+    ranked: Ranked | None
+    embedding: np.ndarray | None
+    batch_size: int  # 0: from the result cache
+    read_and_decode_s: float
+    total_s: float
+
+    def timing_ms(self) -> dict[str, float]:
+        return {"read_and_decode": round(self.read_and_decode_s * 1000, 2),
+                "queue_and_inference": round((self.total_s - self.read_and_decode_s) * 1000,
+                                             2),
+                "total": round(self.total_s * 1000, 2)}
+
+
+async def read_upload(request: Request) -> bytes:
+    """The image bytes from a raw ``image/*`` body or a multipart field ``file``."""
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype == "multipart/form-data":
+        form = await request.form(max_files=1, max_fields=16)
+        upload = form.get("file")
+        if not isinstance(upload, UploadFile):
+            raise BadRequest("The multipart upload has no image: put it in a field named 'file'.")
+        return await upload.read()
+    if ctype in _NOT_IMAGES:
+        raise UnsupportedMediaType(f"{_NOT_IMAGES[ctype].capitalize()} cannot be classified. "
+                                   "Send a JPEG, PNG, WebP, BMP, GIF or TIFF image.")
+    if ctype in ("", "application/octet-stream") or ctype.startswith("image/"):
+        return await request.body()
+    raise UnsupportedMediaType(
+        f"Content-Type '{ctype}' is not accepted. Send the image bytes with a Content-Type "
+        "such as image/jpeg or image/png, or upload it as a multipart form field 'file'.")
+
+
+async def until_disconnected(request: Request) -> None:
+    """Return when the client hangs up (the body has been read, so only that can come)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, work: asyncio.Future[Any]) -> Any:
+    """Await ``work``; if the client leaves first, cancel it (a queued request is withdrawn)."""
+    watch = asyncio.ensure_future(until_disconnected(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if work.done():
+        return work.result()
+    work.cancel()
+    with suppress(asyncio.CancelledError):
+        await work
+    raise ClientGone("The client disconnected before its answer was ready.")
+
+
+def _prepare(state: AppState, model: LoadedModel, data: bytes, deadline: float,
+             task: str = CLASSIFY) -> tuple[str | None, Cached | torch.Tensor]:
+    """On the CPU pool: the cache key and the cached answer (by content hash), or the
+    pixels, decoded and preprocessed by a decode worker process before ``deadline``."""
+    key = None
+    if state.cache is not None:
+        key = cache_key(data, model.name, model.weights_version, numerics(model.device), task)
+        hit: Cached | None
+        if task == CLASSIFY:
+            hit = state.cache.get(key)
+            if hit is not None and len(hit.indices) != len(model.labels):
+                hit = None  # another model's ranking
+        else:
+            hit = state.cache.get_embedding(key)
+            if hit is not None and len(hit) != model.feature_dim:
+                hit = None
+        if hit is not None:
+            return key, hit
+    return key, torch.from_numpy(state.decoder.decode(data, model.preprocessing, deadline))
+
+
+async def serve_image(request: Request, model: str | None, keep_alive_s: float | None,
+                      task: str, top_k: int) -> Served:
+    """One image through the whole path, for ``task`` on ``model`` (default: --model)."""
+    state = state_of(request)
+    engine, timeout = state.engine, state.settings.request_timeout_s
+    engine.require_unpaused()
+    started = time.perf_counter()
+    deadline = time.monotonic() + timeout
+    loaded = (await engine.acquire(model, timeout, keep_alive_s)).model
+    if task == EMBED and not loaded.feature_dim:
+        raise BadRequest(f"The model {loaded.name} cannot give image features (it has no "
+                         "final linear layer to take them from); use an EfficientNet-Lite "
+                         "model.")
+    with engine.admit(max(0.0, deadline - time.monotonic()), loaded.name) as place:
+        data = await read_upload(request)
+        key, found = await state.pool.run_before(deadline, _prepare, state, loaded, data,
+                                                 deadline, task)
+        del data
+        body_done(request.scope)
+        prepared = time.perf_counter()
+        batch_size, ranked, embedding = 0, None, None
+        if isinstance(found, Ranked):
+            ranked = found
+        elif isinstance(found, np.ndarray):
+            embedding = found
+        else:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise too_busy_to_start()
+            work = asyncio.ensure_future(engine.classify(Sample(found, top_k, task), left,
+                                                         place, loaded.name))
+            prediction = await unless_disconnected(request, work)
+            batch_size, ranked = prediction.batch_size, prediction.ranked
+            embedding = prediction.embedding
+    if key is not None and state.cache is not None and batch_size:
+        if embedding is not None:
+            await state.pool.run(state.cache.put_embedding, key, embedding)
+        elif ranked is not None:
+            await state.pool.run(state.cache.put, key, ranked)
+    outcome = "ok" if batch_size else "cached"
+    state.stats.count(outcome)
+    engine.count(loaded.name, outcome)
+    return Served(loaded, ranked, embedding, batch_size, prepared - started,
+                  time.perf_counter() - started)

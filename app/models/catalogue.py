@@ -1,0 +1,67 @@
+"""The models this computer can serve, cheaply enough to list on every HTTP request.
+
+Lists the EfficientNet-Lite models always (installed or not, with the reason when not)
+and the torchvision classifiers whose weights file already sits in torchvision's
+checkpoints folder. Nothing is loaded. A name that arrives over HTTP is only ever
+compared with this table; the only path built is the checkpoints folder joined with a
+file name torchvision itself gives for a known architecture.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from app.models import efficientnet_lite, torchvision_models
+from app.models.types import ModelLoadError
+
+
+@dataclass(frozen=True)
+class CatalogueEntry:
+    """One model the appliance knows; ``note`` says in plain words why it is not installed."""
+
+    name: str
+    family: str  # "efficientnet_lite" or "torchvision"
+    input_size: int  # the square crop the model takes, in pixels
+    installed: bool
+    note: str
+
+
+def _lite_entries() -> list[CatalogueEntry]:
+    entries = []
+    for name, variant in efficientnet_lite.MODELS.items():
+        try:
+            efficientnet_lite.weights_file(name)
+        except ModelLoadError as exc:
+            installed, note = False, str(exc)
+        else:
+            installed, note = True, ""
+        entries.append(CatalogueEntry(name, efficientnet_lite.FAMILY, variant.crop,
+                                      installed, note))
+    return entries
+
+
+def _local_files() -> set[str]:
+    """Names of the regular files in torchvision's checkpoints folder (one directory read)."""
+    try:
+        with os.scandir(torchvision_models.checkpoints_dir()) as found:
+            return {entry.name for entry in found if entry.is_file()}
+    except OSError:  # no folder yet, or not readable: no torchvision weights to offer
+        return set()
+
+
+def _torchvision_entries() -> list[CatalogueEntry]:
+    present = _local_files()
+    return [CatalogueEntry(name, torchvision_models.FAMILY, input_size, True, "")
+            for name, (filename, input_size) in torchvision_models.expected_files().items()
+            if filename in present]
+
+
+def catalogue() -> list[CatalogueEntry]:
+    """The Lite models (always), then every torchvision classifier with local weights."""
+    return [*_lite_entries(), *_torchvision_entries()]
+
+
+def in_catalogue(name: str) -> bool:
+    """Whether ``name`` is exactly the name of a model ``catalogue()`` lists."""
+    return any(entry.name == name for entry in catalogue())

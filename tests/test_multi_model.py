@@ -1,0 +1,267 @@
+"""Several real models in one process on the CPU: loaded on request, evicted by measured
+memory, kept alive and unloaded, profiles reused, embeddings.
+
+In-process: the real app and the real engine (models loaded and warmed up on its device
+thread), requests through httpx's ASGI transport. The profiles are measured once for the
+module (the first load of each model) and reused by every later engine, as a second start
+of the appliance would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from images import photo
+from PIL import Image
+
+from app.config import load_settings
+from app.engine.engine import InferenceEngine
+from app.engine.residency import Footprint, needed
+from app.server import create_app
+from app.state import AppState
+
+pytestmark = pytest.mark.slow
+LITE = ("efficientnet_lite0", "efficientnet_lite1", "efficientnet_lite2")
+JPEG = {"Content-Type": "image/jpeg"}
+
+
+@pytest.fixture(scope="module")
+def profiles(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("profiles")
+
+
+@asynccontextmanager
+async def appliance(tmp_path: Path, profiles: Path, **overrides: Any
+                    ) -> AsyncIterator[tuple[httpx.AsyncClient, InferenceEngine]]:
+    """The app with a started engine on the CPU, and a client for it."""
+    values: dict[str, Any] = {
+        "cache": False, "cache_dir": tmp_path / "cache", "token_file": tmp_path / "token",
+        "device": "cpu", "max_batch_size": 2, "rate_limit": False, "profile_dir": profiles,
+        "min_residency_s": 0, "request_timeout_s": 60, **overrides}
+    settings = load_settings(**values)
+    app = create_app(settings)
+    state: AppState = app.state.vg
+    engine = state.engine
+    await engine.start()
+    try:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, timeout=120,
+                                     base_url=f"http://127.0.0.1:{settings.port}") as client:
+            yield client, engine
+    finally:
+        await asyncio.to_thread(engine.stop)
+        state.pool.shutdown()
+        state.decoder.close()
+
+
+async def top1(client: httpx.AsyncClient, model: str, body: bytes, **params: Any) -> str:
+    response = await client.post("/v1/classify", params={"model": model, **params},
+                                 content=body, headers=JPEG)
+    assert response.status_code == 200, response.text
+    assert response.json()["model"] == model
+    label: str = response.json()["predictions"][0]["label"]
+    return label
+
+
+async def listing(client: httpx.AsyncClient) -> dict[str, dict[str, Any]]:
+    response = await client.get("/v1/models")
+    assert response.status_code == 200, response.text
+    return {m["name"]: m for m in response.json()["models"]}
+
+
+def footprint(model: dict[str, Any]) -> Footprint:
+    return Footprint(model["weights_bytes"],
+                     model["fixed_bytes"] + model["bytes_per_sample"] * model["batch_size"])
+
+
+@pytest.fixture(scope="module")
+def measured(profiles: Path, tmp_path_factory: pytest.TempPathFactory
+             ) -> dict[str, dict[str, Any]]:
+    """Every Lite model loaded once in one process, each classifying the espresso photo;
+    what /v1/models said about them. Their profiles are now stored."""
+
+    async def scenario() -> tuple[dict[str, dict[str, Any]], list[str]]:
+        async with appliance(tmp_path_factory.mktemp("three"), profiles) as (client, engine):
+            labels = [await top1(client, name, photo()) for name in LITE]
+            assert sorted(engine.batcher.lane(n).name for n in LITE) == list(LITE)
+            return await listing(client), labels
+
+    models, labels = asyncio.run(scenario())
+    models["labels"] = {"top1": labels}
+    return models
+
+
+def test_three_catalogue_models_serve_in_one_process(measured: dict[str, Any]) -> None:
+    assert measured["labels"]["top1"] == ["espresso"] * 3
+    for name in LITE:
+        model = measured[name]
+        assert model["state"] == "loaded" and model["weights_bytes"] > 10_000_000
+        assert model["bytes_per_sample"] > 0 and model["batch_size"] >= 1
+        assert model["profile_reused"] is False  # first load: measured
+    assert measured[LITE[0]]["pinned"] is True
+    assert measured[LITE[1]]["pinned"] is False and measured[LITE[1]]["keep_alive_s"] == 300
+    assert [measured[n]["input_size"] for n in LITE] == [224, 240, 260]
+
+
+def test_a_budget_for_two_evicts_the_least_recently_used_idle_model_never_the_pinned(
+        measured: dict[str, Any], profiles: Path, tmp_path: Path) -> None:
+    prints = {name: footprint(measured[name]) for name in LITE}
+    pairs = [needed([prints[a], prints[b]]) for a, b in
+             [(LITE[0], LITE[1]), (LITE[0], LITE[2])]]
+    budget = max(pairs) + 1_000_000
+    assert needed(prints.values()) > budget, "the three must not fit together"
+
+    async def scenario() -> None:
+        async with appliance(tmp_path, profiles, memory_budget=budget) as (client, engine):
+            assert await top1(client, LITE[1], photo()) == "espresso"
+            assert await top1(client, LITE[2], photo()) == "espresso"  # evicts lite1
+            states = {n: m["state"] for n, m in (await listing(client)).items()}
+            assert [states[n] for n in LITE] == ["loaded", "available", "loaded"]
+            # lite0 is now the least recently used, but pinned: lite2 goes instead.
+            assert await top1(client, LITE[1], photo()) == "espresso"
+            states = {n: m["state"] for n, m in (await listing(client)).items()}
+            assert [states[n] for n in LITE] == ["loaded", "loaded", "available"]
+            assert engine.events[LITE[1]].unloads == {"evicted": 1}
+            assert engine.events[LITE[2]].unloads == {"evicted": 1}
+            assert LITE[0] not in engine.events or not engine.events[LITE[0]].unloads
+            metrics = (await client.get("/metrics")).text
+            assert f'vramguard_model_unloads_total{{model="{LITE[1]}",reason="evicted"}} 1.0' \
+                in metrics
+
+    asyncio.run(scenario())
+
+
+def test_a_budget_below_one_model_answers_insufficient_memory_and_stays_healthy(
+        measured: dict[str, Any], profiles: Path, tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with appliance(tmp_path, profiles, memory_budget=1_000_000) as (client, engine):
+            assert engine.ready and not engine.runtimes
+            response = await client.post("/v1/classify", content=photo(), headers=JPEG)
+            assert response.status_code == 503, response.text
+            error = response.json()["error"]
+            assert error["code"] == "insufficient_memory"
+            assert LITE[0] in error["message"] and "memory_budget" in error["message"]
+            assert (await client.get("/healthz")).status_code == 200
+
+    asyncio.run(scenario())
+
+
+def test_keep_alive_zero_and_expiry_unload_and_loads_are_rate_limited(
+        measured: dict[str, Any], profiles: Path, tmp_path: Path) -> None:
+    async def state_of(client: httpx.AsyncClient, name: str) -> str:
+        return str((await listing(client))[name]["state"])
+
+    async def scenario() -> None:
+        async with appliance(tmp_path, profiles, max_loads_per_minute=2) as (client, engine):
+            assert await top1(client, LITE[1], photo(), keep_alive=0) == "espresso"
+            for _ in range(50):  # the unload is queued on the device thread after the answer
+                if await state_of(client, LITE[1]) == "available":
+                    break
+                await asyncio.sleep(0.05)
+            assert await state_of(client, LITE[1]) == "available"
+            assert await top1(client, LITE[2], photo(), keep_alive=0.5) == "espresso"
+            await engine.on_device(engine.tick)
+            assert await state_of(client, LITE[2]) == "loaded"  # not expired yet
+            await asyncio.sleep(0.6)
+            await engine.on_device(engine.tick)
+            assert await state_of(client, LITE[2]) == "available"
+            assert engine.events[LITE[2]].unloads == {"expired": 1}
+            # Two loads in this minute already: a third is refused, with when to retry.
+            response = await client.post("/v1/classify", params={"model": LITE[1]},
+                                         content=photo(), headers=JPEG)
+            assert response.status_code == 503, response.text
+            assert response.json()["error"]["code"] == "overloaded"
+            assert 1 <= int(response.headers["Retry-After"]) <= 60
+            assert (await listing(client))[LITE[0]]["state"] == "loaded"  # pinned stays
+
+    asyncio.run(scenario())
+
+
+def test_a_second_start_reuses_the_stored_profiles(
+        measured: dict[str, Any], profiles: Path, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    async def scenario() -> dict[str, dict[str, Any]]:
+        async with appliance(tmp_path, profiles, models=[LITE[1]]) as (client, _engine):
+            return await listing(client)
+
+    with caplog.at_level(logging.INFO, logger="vramguard.engine"):
+        models = asyncio.run(scenario())
+    for name in LITE[:2]:
+        assert models[name]["profile_reused"] is True and models[name]["pinned"] is True
+        # The stored timings and memory figures are the first measurement's.
+        assert models[name]["warmup"] == measured[name]["warmup"]
+        assert models[name]["bytes_per_sample"] == measured[name]["bytes_per_sample"]
+    assert f"{LITE[0]}: reused the profile measured on" in caplog.text
+
+
+def test_admin_loads_and_unloads_by_catalogue_name_only(
+        measured: dict[str, Any], profiles: Path, tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with appliance(tmp_path, profiles) as (client, engine):
+            token = (tmp_path / "token").read_text().strip()
+            admin = {"Authorization": f"Bearer {token}"}
+            url = f"/v1/models/{LITE[2]}/load"
+            assert (await client.post(url)).status_code == 401
+            loaded = await client.post(url, headers=admin)
+            assert loaded.status_code == 200, loaded.text
+            assert loaded.json()["state"] == "loaded" and loaded.json()["keep_alive_s"] == -1
+            for name in ("..%2F..%2Fetc%2Fpasswd", "resnet50", "x" * 65):
+                response = await client.post(f"/v1/models/{name}/load", headers=admin)
+                assert response.status_code in (400, 404), (name, response.text)
+            gone = await client.post(f"/v1/models/{LITE[2]}/unload", headers=admin)
+            assert gone.status_code == 200, gone.text
+            assert (await listing(client))[LITE[2]]["state"] == "available"
+            again = await client.post(f"/v1/models/{LITE[2]}/unload", headers=admin)
+            assert again.status_code == 404
+            assert engine.events[LITE[2]].unloads == {"admin": 1}
+
+    asyncio.run(scenario())
+
+
+def _recompressed(body: bytes) -> bytes:
+    """The same photo at 60 % of its size, saved again as a lower-quality JPEG."""
+    image = Image.open(io.BytesIO(body)).convert("RGB")
+    image = image.resize((image.width * 3 // 5, image.height * 3 // 5), Image.LANCZOS)
+    out = io.BytesIO()
+    image.save(out, "JPEG", quality=70)
+    return out.getvalue()
+
+
+def test_embeddings_find_the_same_photo_resized_and_are_cached_apart(
+        measured: dict[str, Any], profiles: Path, tmp_path: Path) -> None:
+    async def embed(client: httpx.AsyncClient, body: bytes) -> dict[str, Any]:
+        response = await client.post("/v1/embed", content=body, headers=JPEG)
+        assert response.status_code == 200, response.text
+        answer: dict[str, Any] = response.json()
+        return answer
+
+    async def scenario() -> None:
+        async with appliance(tmp_path, profiles, cache=True) as (client, _engine):
+            espresso = await embed(client, photo())
+            copy = await embed(client, _recompressed(photo()))
+            cat = await embed(client, photo("chelsea.jpg"))
+            vectors = [np.array(a["embedding"]) for a in (espresso, copy, cat)]
+            assert [len(v) for v in vectors] == [1280] * 3 and espresso["dimensions"] == 1280
+            for vector in vectors:
+                assert abs(np.linalg.norm(vector) - 1) < 1e-4
+            same, to_cat, copy_to_cat = (vectors[0] @ vectors[1], vectors[0] @ vectors[2],
+                                         vectors[1] @ vectors[2])
+            assert same > max(to_cat, copy_to_cat) + 0.2, (same, to_cat, copy_to_cat)
+            again = await embed(client, photo())
+            assert again["cached"] is True and espresso["cached"] is False
+            assert np.allclose(again["embedding"], espresso["embedding"], atol=1e-6)
+            # The embedding's cache entry is not a classification's.
+            classified = await client.post("/v1/classify", content=photo(), headers=JPEG)
+            assert classified.json()["cached"] is False
+            assert classified.json()["predictions"][0]["label"] == "espresso"
+
+    asyncio.run(scenario())
