@@ -91,9 +91,10 @@ def run_doctor(settings: Settings, config_file: Path) -> int:
 
     from app.engine.device import DeviceError, resolve_device, unsupported_gpu
     from app.engine.engine import InferenceEngine
+    from app.engine.residency import needed
     from app.memory.diagnostics import IDLE_PERIOD_S, cache_verdict, leak_check_verdict
     from app.memory.probes import CpuProbe
-    from app.models import ModelLoadError
+    from app.models import ModelLoadError, catalogue
     from app.units import human_bytes
 
     _line("torch", f"{torch.__version__} (built for CUDA {torch.version.cuda or 'none'})")
@@ -141,6 +142,18 @@ def run_doctor(settings: Settings, config_file: Path) -> int:
     print("   budget:")
     for text in runtime.guard.budget.lines():
         print(f"     {text}")
+    room = runtime.guard.budget.room
+    _line("room for models", f"{human_bytes(room)} for the weights of every loaded model "
+          f"and the batch in flight; {runtime.model.name} takes "
+          f"{human_bytes(needed([runtime.footprint]))}, leaving "
+          f"{human_bytes(max(0, room - needed([runtime.footprint])))} for other models "
+          "(idle ones are unloaded when a request needs the room)")
+    entries = catalogue()
+    _line("models", ", ".join(e.name for e in entries if e.installed))
+    for entry in entries:
+        if not entry.installed:
+            _line(f"  {entry.name}", f"cannot load: {entry.note}", ok=False)
+            problems += 1
     if runtime.guard.budget_bytes < fit.peak(1):
         _line("budget", "too small for even one image: close programs that use the GPU, or "
               "raise memory_fraction", ok=False)

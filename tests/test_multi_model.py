@@ -114,6 +114,10 @@ def test_three_catalogue_models_serve_in_one_process(measured: dict[str, Any]) -
 
 def test_a_budget_for_two_evicts_the_least_recently_used_idle_model_never_the_pinned(
         measured: dict[str, Any], profiles: Path, tmp_path: Path) -> None:
+    """Loads go through the admin route, which takes the same path as a request naming a
+    model: the budget for images in flight here is a few MB over one batch, and on this
+    shared CPU other processes' memory (the stand-in for other programs on a GPU) moves
+    by more than that, so classifying under it would test the machine, not the choice."""
     prints = {name: footprint(measured[name]) for name in LITE}
     pairs = [needed([prints[a], prints[b]]) for a, b in
              [(LITE[0], LITE[1]), (LITE[0], LITE[2])]]
@@ -122,14 +126,24 @@ def test_a_budget_for_two_evicts_the_least_recently_used_idle_model_never_the_pi
 
     async def scenario() -> None:
         async with appliance(tmp_path, profiles, memory_budget=budget) as (client, engine):
-            assert await top1(client, LITE[1], photo()) == "espresso"
-            assert await top1(client, LITE[2], photo()) == "espresso"  # evicts lite1
-            states = {n: m["state"] for n, m in (await listing(client)).items()}
-            assert [states[n] for n in LITE] == ["loaded", "available", "loaded"]
+            admin = {"Authorization": f"Bearer {(tmp_path / 'token').read_text().strip()}"}
+
+            async def load(name: str) -> list[str]:
+                response = await client.post(f"/v1/models/{name}/load", headers=admin)
+                assert response.status_code == 200, response.text
+                states = {n: m["state"] for n, m in (await listing(client)).items()}
+                return [states[n] for n in LITE]
+
+            assert await load(LITE[1]) == ["loaded", "loaded", "available"]
+            assert await load(LITE[2]) == ["loaded", "available", "loaded"]  # lite1 evicted
+            memory = (await client.get("/v1/memory")).json()
+            assert [m["name"] for m in memory["models"]] == [LITE[0], LITE[2]]
+            weights = sum(m["weights_bytes"] for m in memory["models"])
+            assert memory["weights_bytes"] == weights
+            # One budget for images in flight: the room less both models' weights.
+            assert memory["configured_budget_bytes"] == budget - weights
             # lite0 is now the least recently used, but pinned: lite2 goes instead.
-            assert await top1(client, LITE[1], photo()) == "espresso"
-            states = {n: m["state"] for n, m in (await listing(client)).items()}
-            assert [states[n] for n in LITE] == ["loaded", "loaded", "available"]
+            assert await load(LITE[1]) == ["loaded", "loaded", "available"]
             assert engine.events[LITE[1]].unloads == {"evicted": 1}
             assert engine.events[LITE[2]].unloads == {"evicted": 1}
             assert LITE[0] not in engine.events or not engine.events[LITE[0]].unloads
@@ -168,10 +182,10 @@ def test_keep_alive_zero_and_expiry_unload_and_loads_are_rate_limited(
                     break
                 await asyncio.sleep(0.05)
             assert await state_of(client, LITE[1]) == "available"
-            assert await top1(client, LITE[2], photo(), keep_alive=0.5) == "espresso"
+            assert await top1(client, LITE[2], photo(), keep_alive=3) == "espresso"
             await engine.on_device(engine.tick)
             assert await state_of(client, LITE[2]) == "loaded"  # not expired yet
-            await asyncio.sleep(0.6)
+            await asyncio.sleep(3.1)
             await engine.on_device(engine.tick)
             assert await state_of(client, LITE[2]) == "available"
             assert engine.events[LITE[2]].unloads == {"expired": 1}

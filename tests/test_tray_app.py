@@ -37,6 +37,9 @@ class Controller:
     def lines(self) -> list[str]:
         return self.lines_shown
 
+    def models(self) -> list[object]:
+        return []
+
     def refresh(self) -> None:
         self.refreshes += 1
 

@@ -55,6 +55,18 @@ def test_actions_go_through_the_api(controller, server, monkeypatch):
     assert after["cache_empties"] == before["cache_empties"] + 1
 
 
+def test_the_models_in_memory_and_an_unload_the_server_refuses(controller):
+    """The real server's samples list its model; unloading one that is not loaded goes
+    through the real endpoint and comes back in plain words (the session's server keeps
+    its one model: the unload itself is tried in test_desktop.py and test_tray_models.py)."""
+    controller.refresh()
+    [entry] = controller.models()
+    assert entry.name == "efficientnet_lite0" and entry.label.endswith(", kept loaded")
+    assert controller.unload("efficientnet_lite2") == (
+        "efficientnet_lite2 was not in memory any more: there was nothing to unload.")
+    assert [e.name for e in controller.models()] == ["efficientnet_lite0"]
+
+
 def test_a_server_that_is_not_there(tmp_path):
     messages: list[str] = []
     tray = TrayController(ApiClient(f"http://127.0.0.1:{free_port()}", tmp_path / "token"),

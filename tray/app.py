@@ -17,6 +17,7 @@ from types import ModuleType
 from typing import Any
 
 from tray.controller import TrayController
+from tray.text import MODELS_HEADING
 
 log = logging.getLogger("vramguard.tray")
 REFRESH_S = 1.0
@@ -68,9 +69,10 @@ class TrayView:
         if title != self._title:
             icon.title = title
             self._title = title
-        menu = (tuple(self.controller.lines()), self.controller.down, self.controller.paused)
+        menu = (tuple(self.controller.lines()), tuple(self.controller.models()),
+                self.controller.down, self.controller.paused)
         if menu != self._menu:
-            icon.update_menu()  # Windows rebuilds menu text only here
+            icon.update_menu()  # Windows and GTK rebuild the menu (its models too) only here
             self._menu = menu
 
 
@@ -106,8 +108,13 @@ def _say(icon: Any, message: str) -> None:
 
 def build_menu(pystray: ModuleType, controller: TrayController,
                stop: threading.Event) -> Any:
-    """The menu: the readings, the actions, and Open dashboard as the default (what a
-    left click on the icon does on Windows)."""
+    """The menu: the readings, the models in memory (each with its Unload), the actions,
+    and Open dashboard as the default (what a left click on the icon does on Windows).
+
+    pystray asks for the items each time it builds the menu (``update_menu``, which
+    TrayView calls when the models change), so the models section is made then, from
+    the last sample: each Unload item names its model, never a position in a list that
+    may have changed by the time it is clicked."""
     def line(index: int) -> Any:
         def text(_item: Any) -> str:
             lines = controller.lines()
@@ -120,14 +127,27 @@ def build_menu(pystray: ModuleType, controller: TrayController,
         if problem:
             _say(icon, problem)
 
+    def unloader(name: str) -> Callable[[Any], None]:
+        return lambda icon: _say(icon, controller.unload(name))
+
+    def models() -> list[Any]:
+        entries = controller.models()
+        if not entries:
+            return []
+        return [pystray.Menu.SEPARATOR,
+                pystray.MenuItem(MODELS_HEADING, None, enabled=False),
+                *(pystray.MenuItem(entry.label, pystray.Menu(
+                    pystray.MenuItem(entry.unload, unloader(entry.name))))
+                  for entry in entries)]
+
     def quit_tray(icon: Any) -> None:
         stop.set()
         controller.request_shutdown()  # the launcher ends the server it started, if any
         controller.stop_following()
         icon.stop()
 
-    return pystray.Menu(
-        *(line(i) for i in range(MENU_LINES)),
+    readings = tuple(line(i) for i in range(MENU_LINES))
+    actions = (
         pystray.Menu.SEPARATOR,
         pystray.MenuItem("Empty cache", lambda icon: _say(icon, controller.empty_cache()),
                          enabled=lambda _item: not controller.down),
@@ -143,6 +163,7 @@ def build_menu(pystray: ModuleType, controller: TrayController,
         pystray.Menu.SEPARATOR,
         pystray.MenuItem("Quit", quit_tray),
     )
+    return pystray.Menu(lambda: (*readings, *models(), *actions))
 
 
 CRASH_MESSAGE = ("vramguard hit an unexpected problem ({kind}) and carried on. The details "

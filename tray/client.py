@@ -17,6 +17,7 @@ import secrets
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
@@ -42,12 +43,22 @@ class NotVramguard(Exception):
     """Something answers on the port but cannot prove it is this user's vramguard."""
 
 
+class Refused(RuntimeError):
+    """The server answered with an error other than 503: its message, and its status (409
+    when a model to unload is busy, 404 when it is not loaded, ...)."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 class ApiClient:
-    def __init__(self, base_url: str, token_file: Path, timeout: float = 3.0) -> None:
+    def __init__(self, base_url: str, token_file: Path, timeout: float = 3.0,
+                 transport: httpx.BaseTransport | None = None) -> None:
         self.base_url = base_url
         self.token_file = token_file
         self.port = httpx.URL(base_url).port or 80
-        self._http = httpx.Client(base_url=base_url, timeout=timeout,
+        self._http = httpx.Client(base_url=base_url, timeout=timeout, transport=transport,
                                   headers={"X-Client-Id": "vramguard-tray"})
 
     def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
@@ -95,7 +106,9 @@ class ApiClient:
                 message = response.json()["error"]["message"]
             except (ValueError, KeyError, TypeError):
                 message = response.text[:200]
-            raise ServerDown(message) if response.status_code == 503 else RuntimeError(message)
+            if response.status_code == 503:
+                raise ServerDown(message)
+            raise Refused(message, response.status_code)
         try:
             body = response.json()
         except ValueError:
@@ -130,6 +143,11 @@ class ApiClient:
     def set_paused(self, paused: bool) -> dict[str, Any]:
         return self._call("POST", "/v1/admin/pause" if paused else "/v1/admin/resume",
                           admin=True)
+
+    def unload_model(self, name: str) -> dict[str, Any]:
+        """Unload a loaded model now (Refused with 409 while it has images, 404 when it is
+        not loaded). The name is one the server listed; it is quoted as one path part."""
+        return self._call("POST", f"/v1/models/{quote(name, safe='')}/unload", admin=True)
 
     def dashboard_code(self) -> str:
         """A one-time code that signs the dashboard in. Only the code is taken from the

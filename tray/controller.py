@@ -25,11 +25,21 @@ from app.instance import instance_folder, stop_requested
 from app.memory.guard import GuardState
 from app.schemas import LiveSample
 from app.units import human_bytes
-from tray.client import ApiClient, NotVramguard, ServerDown
+from tray.client import ApiClient, NotVramguard, Refused, ServerDown
 from tray.dashboard import DashboardOpener
 from tray.event_stream import EventStream
 from tray.icon import draw_icon
-from tray.text import Notifier, gauge_of, menu_lines, tooltip
+from tray.text import (
+    UNLOAD_BUSY,
+    UNLOAD_GONE,
+    UNLOADED,
+    ModelEntry,
+    Notifier,
+    gauge_of,
+    menu_lines,
+    model_entries,
+    tooltip,
+)
 
 log = logging.getLogger("vramguard.tray")
 RESTART_BACKOFF_S = (1, 2, 5, 10, 30)
@@ -150,6 +160,12 @@ class TrayController:
             lines.append(f"Last stop: {self.last_stop}")
         return lines
 
+    def models(self) -> list[ModelEntry]:
+        """The models in memory, as the last sample listed them (none while down)."""
+        with self._lock:
+            sample = self.sample
+        return model_entries(sample)
+
     @property
     def down(self) -> bool:
         return self.sample is None
@@ -175,6 +191,15 @@ class TrayController:
         return result if isinstance(result, str) else (
             "Paused." if result["paused"] else "Taking images again.")
 
+    def unload(self, name: str) -> str:
+        """Unload a model now; what to tell the person (a busy model or one already gone is
+        said in words of its own)."""
+        size = next((human_bytes(entry.weights_bytes) for entry in self.models()
+                     if entry.name == name), "its memory")
+        refusals = {409: UNLOAD_BUSY.format(name=name), 404: UNLOAD_GONE.format(name=name)}
+        result = self._act(lambda: self.client.unload_model(name), refusals)
+        return result if isinstance(result, str) else UNLOADED.format(name=name, size=size)
+
     def open_dashboard(self) -> str | None:
         """Open the dashboard, signed in, in the browser; None when it opened, else what
         to tell the person (nothing is opened for a server that fails the challenge)."""
@@ -185,9 +210,17 @@ class TrayController:
             return f"Could not open the dashboard: {exc}"
         return None
 
-    def _act(self, action: Callable[[], dict[str, Any]]) -> dict[str, Any] | str:
+    def _act(self, action: Callable[[], dict[str, Any]],
+             refusals: dict[int, str] | None = None) -> dict[str, Any] | str:
+        """Run an action; its answer, or what to tell the person: ``refusals`` has the
+        words for the server's refusals the action expects, by status."""
         try:
             result = action()
+        except Refused as exc:
+            if refusals and exc.status in refusals:
+                self._poll()  # the menu shows what is true now
+                return refusals[exc.status]
+            return f"Could not do that: {exc}"
         except (ServerDown, NotVramguard, RuntimeError) as exc:
             return f"Could not do that: {exc}"
         self._poll()  # show the action's effect now, not at the next sample

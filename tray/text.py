@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from app.schemas import LiveSample
 from app.units import human_bytes
 from tray.icon import Gauge
@@ -79,6 +81,42 @@ def menu_lines(sample: LiveSample | None) -> list[str]:
     if sample.paused:
         lines.append("Paused: images are refused until you resume")
     return lines
+
+
+MODELS_HEADING = "Models in memory:"
+UNLOADED = ("{name} is no longer in memory ({size} freed). It loads again the next time an "
+            "image asks for it.")
+UNLOAD_BUSY = ("{name} is working on images right now, so it stays in memory. Try again when "
+               "they are done.")
+UNLOAD_GONE = "{name} was not in memory any more: there was nothing to unload."
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One loaded model in the tray menu: its name, the line that says what it takes, and
+    the words of its Unload item."""
+
+    name: str
+    label: str
+    unload: str
+    weights_bytes: int
+
+
+def model_entries(sample: LiveSample | None) -> list[ModelEntry]:
+    """The models the server has in memory, e.g. 'efficientnet_lite1 — 21 MiB (+ 160 MiB
+    while working)'; ', kept loaded' for the ones it never unloads to make room."""
+    if sample is None:
+        return []
+    entries = []
+    for model in sample.models:
+        size = human_bytes(model.weights_bytes)
+        label = (f"{model.name} — {size} (+ {human_bytes(model.batch_peak_bytes)} while "
+                 "working)")
+        if model.pinned:
+            label += ", kept loaded"
+        entries.append(ModelEntry(model.name, label, f"Unload (frees {size})",
+                                  model.weights_bytes))
+    return entries
 
 
 class Notifier:

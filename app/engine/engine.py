@@ -16,6 +16,7 @@ lane in the batcher, and the lanes take turns.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import functools
 import gc
@@ -45,7 +46,13 @@ from app.engine.oom import (
 from app.engine.predictor import Prediction, Predictor, Sample
 from app.engine.profiles import ModelProfile, ProfileKey, ProfileStore, device_identity
 from app.engine.residency import Footprint, LoadRate, Residency, needed, plan_evictions
-from app.engine.warmup import NEAR_TIE, OutOfMemoryAtWarmup, WarmupProfile, profile
+from app.engine.warmup import (
+    NEAR_TIE,
+    OutOfMemoryAtWarmup,
+    WarmupProfile,
+    choose_batch_size,
+    profile,
+)
 from app.errors import (
     Conflict,
     DeadlineExceeded,
@@ -62,6 +69,7 @@ from app.memory.fit import MemoryFit, fit_linear
 from app.memory.guard import GuardState, MemoryGuard
 from app.memory.probes import CpuProbe, CudaProbe, MemoryReading, Probe, make_probe
 from app.models import LoadedModel, in_catalogue, load_model, resolve_weights
+from app.models.registry import fingerprint
 from app.schemas import MemoryReport, ModelMemory, ProfilePoint
 from app.units import human_bytes
 
@@ -148,6 +156,7 @@ class InferenceEngine:
         self.profiles = ProfileStore(settings.profile_dir)
         self._loading: dict[str, asyncio.Future[Runtime]] = {}
         self._load_rate = LoadRate(settings.max_loads_per_minute, time.monotonic)
+        self._fingerprints: dict[tuple[Path, int, int], str] = {}  # weights file -> version
         self._peak_since_tick = 0
         self._last_activity = time.monotonic()
         self._released = True
@@ -296,7 +305,8 @@ class InferenceEngine:
         finally:
             resident = self.residents.get(name)
             if resident is not None and resident.expired(time.monotonic()):
-                self.batcher.call(functools.partial(self._expire, name))
+                with contextlib.suppress(RuntimeError):  # the device thread is stopping
+                    self.batcher.call(functools.partial(self._expire, name))
         if isinstance(outcome, InsufficientMemory):
             raise outcome
         return outcome
@@ -356,6 +366,7 @@ class InferenceEngine:
             footprint = runtime.footprint
             victims = self._victims(name, footprint)
             if victims is None:
+                del runtime  # so that unloading it really frees it
                 self._unload_on_device(name, "did_not_fit", False)
                 raise InsufficientMemory(self._no_room(name, footprint))
             for victim in victims:
@@ -376,21 +387,31 @@ class InferenceEngine:
             if classify_error(exc) is not ErrorKind.OUT_OF_MEMORY:
                 raise
         self._forget(name)
+        self._mark_out_of_memory(name)
         return None
 
     def _guess(self, name: str) -> Footprint:
-        """What ``name`` will take: from its stored profile, else its weights file's size
-        (the batch is measured once loaded)."""
+        """What ``name`` will take: its stored profile's weights and batch, else its weights
+        file's size (the batch is measured once loaded). The load itself reports a file
+        that cannot be found or read."""
         try:
-            path = resolve_weights(name, self.settings.weights if name == self.settings.model
-                                   else None)
-            size = path.stat().st_size
+            path = self._weights_path(name)
+            stat = path.stat()
         except Exception:
             return Footprint(0, 0)
-        for runtime in self.runtimes.values():
-            if runtime.model.weights_file == path:
-                return runtime.footprint
-        return Footprint(size, 0)
+        version = self._fingerprints.get((path, stat.st_mtime_ns, stat.st_size))
+        if version is None:
+            version = fingerprint(path)
+            self._fingerprints[(path, stat.st_mtime_ns, stat.st_size)] = version
+        stored = self.profiles.get(self._profile_key(name, version))
+        if stored is None or stored.out_of_memory_on_load:
+            return Footprint(stat.st_size, 0)
+        size = min(self.settings.batch_size or stored.chosen_batch_size, stored.points[-1][0])
+        return Footprint(stored.weights_bytes, stored.footprint_peak(size))
+
+    def _weights_path(self, name: str) -> Path:
+        return resolve_weights(name, self.settings.weights if name == self.settings.model
+                               else None)
 
     def _room(self) -> int:
         """What the models may take together now (``Budget.room``); unlimited before the
@@ -477,13 +498,18 @@ class InferenceEngine:
                 warmup, points, chosen = self._reuse(predictor, stored, started)
             else:
                 warmup, points, chosen = self._measure(predictor, probe)
+                # Measured short of memory (another program, a model not unloaded yet):
+                # kept for now, but the next load measures again.
                 stored = ModelProfile(key, size, fit_linear(points), points, warmup.timings,
-                                      chosen, warmup.out_of_memory_at)
+                                      chosen, warmup.out_of_memory_at,
+                                      out_of_memory_on_load=warmup.out_of_memory_at is not None)
                 self.profiles.put(stored)
-        except (OutOfMemoryAtWarmup, torch.OutOfMemoryError):
+        except Exception as exc:
             self._set_weights(self._weights_total())
-            self._mark_out_of_memory(key, stored)
-            raise OutOfMemoryAtWarmup() from None
+            if isinstance(exc, OutOfMemoryAtWarmup) or (
+                    classify_error(exc) is ErrorKind.OUT_OF_MEMORY):
+                raise OutOfMemoryAtWarmup() from None
+            raise
         probe.empty_cache()
         probe.set_baseline()
         reading = probe.read()
@@ -491,7 +517,7 @@ class InferenceEngine:
             self._others_at_start = reading.others
         memory = MemoryProfile(size, reading.overhead, self._others_at_start,
                                fit_linear(points), points)
-        budget = self.budget = self._budget(reading)
+        budget = self.budget = self._budget(reading, self._weights_total() + size)
         for other in list(self.runtimes.values()):
             other.guard.set_budget(budget)
         guard = MemoryGuard(budget, memory.fit, max_batch=chosen,
@@ -553,7 +579,9 @@ class InferenceEngine:
         """A stored profile instead of the measurement: one pass of one image still runs,
         so that the first request does not pay for the first pass's setup."""
         predictor(predictor.random_batch(1))
-        chosen = self.settings.batch_size or stored.chosen_batch_size
+        timings = [t for t in stored.timings if t.batch_size <= self.settings.max_batch_size]
+        chosen = self.settings.batch_size or choose_batch_size(
+            timings or stored.timings[:1], self.settings.target_latency_ms / 1000)
         chosen = min(chosen, stored.points[-1][0])
         return stored.warmup(time.monotonic() - started), list(stored.points), chosen
 
@@ -598,12 +626,19 @@ class InferenceEngine:
                                        warmup.out_of_memory_at))
         log.info("%s: profile measured again (the stored one was over 30 days old)", name)
 
-    def _mark_out_of_memory(self, key: ProfileKey, stored: ModelProfile | None) -> None:
-        """Keep in the profile that this model ran out of memory loading: the next load
-        measures it again instead of trusting figures that did not hold."""
-        if stored is not None:
-            stored.out_of_memory_on_load = True
-            self.profiles.put(stored)
+    def _mark_out_of_memory(self, name: str) -> None:
+        """Keep in the profile that this model ran out of memory loading (copying its
+        weights or warming up, in any of the forms CUDA has): the next load measures it
+        again instead of trusting figures that did not hold."""
+        stamps = [(path, version) for (path, _, _), version in self._fingerprints.items()]
+        for path, version in stamps:
+            if path != self._weights_path(name):
+                continue
+            key = self._profile_key(name, version)
+            stored = self.profiles.get(key)
+            if stored is not None and not stored.out_of_memory_on_load:
+                stored.out_of_memory_on_load = True
+                self.profiles.put(stored)
 
     def _weights_total(self) -> int:
         return sum(r.memory.weights_bytes for r in self.runtimes.values())
@@ -617,10 +652,12 @@ class InferenceEngine:
         if isinstance(probe, CpuProbe) and probe.tracker is not None:
             probe.tracker.base = total
 
-    def _budget(self, reading: MemoryReading) -> Budget:
+    def _budget(self, reading: MemoryReading, weights: int | None = None) -> Budget:
+        """The budget with ``weights`` (default: the loaded models') on the device."""
         assert self.probe is not None
         return Budget(total=reading.total, fraction=self.settings.memory_fraction,
-                      weights=self._weights_total(), workspaces=self.probe.workspaces,
+                      weights=self._weights_total() if weights is None else weights,
+                      workspaces=self.probe.workspaces,
                       overhead=reading.overhead,
                       cap=int(self.settings.memory_budget) if self.settings.memory_budget
                       else None)
@@ -663,6 +700,12 @@ class InferenceEngine:
         events = self.events.setdefault(name, ModelEvents())
         events.unloads[reason] = events.unloads.get(reason, 0) + 1
         log.info("unloaded %s (%s)", name, reason.replace("_", " "))
+        primary = self.runtime
+        if primary is not None:
+            self.last_report = self._report(primary)
+        elif self.last_report is not None:  # nothing loaded: the last figures, no models
+            self.last_report = self.last_report.model_copy(
+                update={"models": [], "weights_bytes": 0})
 
     @staticmethod
     def _memory_points(predictor: Predictor, probe: Probe,
