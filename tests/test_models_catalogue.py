@@ -190,3 +190,25 @@ def test_a_model_without_a_final_linear_layer_loads_but_has_no_features(tmp_path
           tap_features(model.module)):
         pass
     assert all(not layer._forward_hooks for layer in model.module.modules())
+
+
+def test_the_shipped_labels_are_torchvisions_and_serving_lite_never_imports_it() -> None:
+    """The labels file stands in for torchvision's metadata (over a second to import):
+    it must list the same 1000 names, and a server serving only Lite models must start
+    without importing torchvision at all."""
+    import subprocess
+    import sys
+
+    from torchvision.models import ResNet50_Weights
+
+    from app.models.registry import imagenet_labels
+
+    assert imagenet_labels() == list(ResNet50_Weights.IMAGENET1K_V1.meta["categories"])
+    code = ("import sys, torch; from app.server import create_app; "
+            "from app.models import catalogue, load_model; "
+            "catalogue(); load_model('efficientnet_lite0', torch.device('cpu')); "
+            "print('torchvision' in sys.modules)")
+    empty = {"TORCH_HOME": "/nonexistent-vramguard-test"}  # no downloaded checkpoints
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env={**__import__("os").environ, **empty})
+    assert out.stdout.strip() == "False", out.stderr

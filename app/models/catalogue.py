@@ -52,6 +52,8 @@ def _local_files() -> set[str]:
 
 def _torchvision_entries() -> list[CatalogueEntry]:
     present = _local_files()
+    if not present:  # nothing downloaded: no need to ask torchvision (slow to import)
+        return []
     return [CatalogueEntry(name, torchvision_models.FAMILY, input_size, True, "")
             for name, (filename, input_size) in torchvision_models.expected_files().items()
             if filename in present]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -22,11 +23,16 @@ log = logging.getLogger("vramguard.models")
 DEFAULT_MODEL = "efficientnet_lite0"
 
 
-def imagenet_labels() -> list[str]:
-    """The 1000 ImageNet category names shipped in torchvision's weights metadata."""
-    from torchvision.models import ResNet50_Weights
+@cache
+def _labels() -> tuple[str, ...]:
+    text = (Path(__file__).parent / "imagenet_classes.txt").read_text(encoding="utf-8")
+    return tuple(text.splitlines())
 
-    return list(ResNet50_Weights.IMAGENET1K_V1.meta["categories"])
+
+def imagenet_labels() -> list[str]:
+    """The 1000 ImageNet category names, as torchvision's weights metadata lists them
+    (kept in a file beside this module: importing torchvision takes over a second)."""
+    return list(_labels())
 
 
 def available_models() -> list[str]:

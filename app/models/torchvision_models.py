@@ -15,7 +15,6 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
-import torchvision.models
 from torch import nn
 
 from app.imaging import Preprocessing
@@ -25,9 +24,17 @@ from app.models.types import ModelLoadError
 FAMILY = "torchvision"
 
 
+def _models() -> Any:
+    """``torchvision.models``, imported on first use: it takes over a second, and a start
+    that serves only EfficientNet-Lite models never needs it."""
+    import torchvision.models
+
+    return torchvision.models
+
+
 @cache
 def _names() -> tuple[str, ...]:
-    return tuple(sorted(torchvision.models.list_models(module=torchvision.models)))
+    return tuple(sorted(_models().list_models(module=_models())))
 
 
 def names() -> list[str]:
@@ -40,7 +47,7 @@ def _weights_enum(name: str) -> Any:
         raise ModelLoadError(f"Unknown model '{name}'. Use "
                              f"{', '.join(efficientnet_lite.MODELS)} or one of: "
                              f"{', '.join(_names())}.")
-    return torchvision.models.get_model_weights(name).DEFAULT
+    return _models().get_model_weights(name).DEFAULT
 
 
 @cache
@@ -78,7 +85,7 @@ def weights_file(name: str, weights: Path | None) -> Path:
 def build(name: str, state: dict[str, Any]) -> tuple[nn.Module, Preprocessing]:
     """Build ``name`` without weights, then load ``state`` strictly."""
     enum = _weights_enum(name)
-    module = torchvision.models.get_model(name, weights=None)
+    module: nn.Module = _models().get_model(name, weights=None)
     try:
         module.load_state_dict(state, strict=True)
     except RuntimeError as exc:
