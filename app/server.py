@@ -162,14 +162,18 @@ def gates(settings: Settings, state: AppState) -> list[Middleware]:
         Middleware(HostOriginGate, port=settings.port, extra_hosts=settings.allowed_hosts,
                    allowed_origins=settings.cors_origins, stats=state.stats),
     ]
-    if settings.rate_limit:
-        layers.append(Middleware(RateLimitMiddleware, limiter=state.limiter,
-                                 stats=state.stats, is_admin=admin_caller(state)))
+    # CORS before the rate limiter: a 429 must reach a page with its CORS header and its
+    # Retry-After readable, or the page sees a network error and retries blindly.
     if settings.cors_origins:
         layers.append(Middleware(CORSMiddleware, allow_origins=settings.cors_origins,
                                  allow_methods=["GET", "POST"],
                                  allow_headers=["Authorization", "Content-Type",
-                                                "X-Client-Id"]))
+                                                "X-Client-Id"],
+                                 expose_headers=["Retry-After", "RateLimit-Limit",
+                                                 "RateLimit-Remaining", "RateLimit-Reset"]))
+    if settings.rate_limit:
+        layers.append(Middleware(RateLimitMiddleware, limiter=state.limiter,
+                                 stats=state.stats, is_admin=admin_caller(state)))
     layers.append(Middleware(
         BodySizeLimit, max_bytes=int(settings.max_body_bytes),
         max_inflight_bytes=int(settings.max_inflight_body_bytes),

@@ -317,3 +317,20 @@ def test_cors_origins_that_would_let_any_page_in_are_refused(origins: list[str])
 def test_listed_origins_are_kept() -> None:
     settings = load_settings(cors_origins=[LISTED, "https://app.example:8443"])
     assert settings.cors_origins == [LISTED, "https://app.example:8443"]
+
+
+async def test_a_429_reaches_a_listed_page_with_its_cors_header_and_readable_retry_after(
+        tmp_path: Path) -> None:
+    """Without it the page sees a network error instead of the 429, and cannot read how
+    long to wait: its client would retry blindly, sooner than the server asked."""
+    page = {"Origin": LISTED, "Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "cors"}
+    with built_app(tmp_path, ready=True, cors_origins=[LISTED], read_burst=1,
+                   read_per_s=0.01) as app:
+        async with client(app) as http:
+            answers = [await http.get("/v1/stats", headers=page) for _ in range(3)]
+    refused = answers[-1]
+    assert refused.status_code == 429
+    assert refused.headers["access-control-allow-origin"] == LISTED
+    exposed = {h.strip().lower() for h in
+               refused.headers["access-control-expose-headers"].split(",")}
+    assert {"retry-after", "ratelimit-reset"} <= exposed

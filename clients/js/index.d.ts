@@ -1,0 +1,292 @@
+// Type declarations of the vramguard JavaScript client (index.js). Hand-written; keep them
+// in step with index.js and internal.js (test/declarations.test.mjs checks the exports).
+
+/** What `classify` and `embed` accept. A Node `Buffer` and a `File` are accepted too (a
+ * Buffer is a Uint8Array, a File a Blob); any other ArrayBuffer view is read as bytes. */
+export type ImageInput = Blob | ArrayBuffer | ArrayBufferView;
+
+/** What `classifyStream` takes: any list of images, also produced lazily. */
+export type ImageSource = Iterable<ImageInput> | AsyncIterable<ImageInput>;
+
+/** The `fetch` the client calls (the global one by default). */
+export type FetchLike = (input: string, init: RequestInit) => Promise<Response>;
+
+export interface ClientOptions {
+  /** The appliance's address. Default `"http://127.0.0.1:8765"`. */
+  url?: string;
+  /** Deadline of one call in milliseconds, waits and retries included. Default 60000. */
+  timeoutMs?: number;
+  /** The `fetch` to use. Default `globalThis.fetch`. */
+  fetch?: FetchLike;
+  /** Sent as `X-Client-Id` (1–64 of `A-Z a-z 0-9 . _ -`): a rate-limit bucket of its
+   * own; otherwise all local programs share one. */
+  clientId?: string;
+  /** Most retries of one call. Default 10. */
+  maxRetries?: number;
+}
+
+export interface CallOptions {
+  /** Abort the call: it rejects with the signal's reason. */
+  signal?: AbortSignal;
+  /** This call's deadline in milliseconds instead of the client's `timeoutMs`. */
+  timeoutMs?: number;
+}
+
+export interface ModelOptions extends CallOptions {
+  /** A model name `models()` lists; the server's default (`--model`) when omitted. A model
+   * not loaded yet is loaded first, and the call waits for it. */
+  model?: string;
+  /** Seconds the model stays loaded after this request (-1: for ever, 0: unload when
+   * done); default: the server's `keep_alive_s`. */
+  keepAlive?: number;
+}
+
+export interface ClassifyOptions extends ModelOptions {
+  /** How many classes to return, 1–1000. Default 5 (the server's). */
+  topK?: number;
+}
+
+export type EmbedOptions = ModelOptions;
+
+export interface Prediction {
+  label: string;
+  index: number;
+  /** Probability between 0 and 1. */
+  score: number;
+}
+
+export interface ClassifyResult {
+  model: string;
+  predictions: Prediction[];
+  /** Images computed together with this one (0 for a cached answer). */
+  batch_size: number;
+  cached: boolean;
+  /** `read_and_decode`, `queue_and_inference`, `total`. */
+  timing_ms: Record<string, number>;
+}
+
+export interface EmbedResult {
+  model: string;
+  /** Length of `embedding` (1280 for EfficientNet-Lite0). */
+  dimensions: number;
+  /** L2-normalised: the dot product of two is their cosine similarity. */
+  embedding: number[];
+  batch_size: number;
+  cached: boolean;
+  timing_ms: Record<string, number>;
+}
+
+export interface BatchTiming {
+  batch_size: number;
+  latency_ms: number;
+  images_per_second: number;
+}
+
+export interface ModelInfo {
+  name: string;
+  /** `"loaded"`, `"loading"` or `"available"`. */
+  state: string;
+  family: string;
+  input_size: number;
+  installed: boolean;
+  note: string;
+  pinned: boolean;
+  keep_alive_s: number | null;
+  expires_in_s: number | null;
+  device: string | null;
+  weights_file: string | null;
+  weights_version: string | null;
+  weights_bytes: number | null;
+  fixed_bytes: number | null;
+  bytes_per_sample: number | null;
+  batch_size: number | null;
+  max_batch_size: number | null;
+  images_per_second: number | null;
+  batch_fit: { a_ms: number; b_ms: number; observations: number } | null;
+  profile_reused: boolean | null;
+  warmup_seconds: number | null;
+  warmup: BatchTiming[];
+}
+
+export interface ModelsResult {
+  models: ModelInfo[];
+}
+
+export interface ModelMemory {
+  name: string;
+  weights_bytes: number;
+  batch_peak_bytes: number;
+  batch_size: number;
+  pinned: boolean;
+}
+
+/** `GET /v1/memory` (see the README's API section for each field). */
+export interface MemoryReport {
+  device: string;
+  source: string;
+  nvml: boolean;
+  total_bytes: number;
+  used_bytes: number;
+  free_bytes: number;
+  allocated_bytes: number;
+  reserved_bytes: number;
+  peak_allocated_bytes: number;
+  peak_reserved_bytes: number;
+  others_bytes: number;
+  weights_bytes: number;
+  overhead_bytes: number;
+  configured_budget_bytes: number;
+  budget_bytes: number;
+  low_watermark_bytes: number;
+  high_watermark_bytes: number;
+  usage_bytes: number;
+  /** `"ok"`, `"high"` or `"shedding"`. */
+  state: string;
+  fixed_bytes: number;
+  bytes_per_sample: number;
+  profiled_bytes_per_sample: number;
+  profile_points: { batch_size: number; peak_bytes: number }[];
+  max_batch_now: number;
+  cpu_memory_cap_bytes: number | null;
+  process_used_bytes: number | null;
+  oom_events: number;
+  oom_recoveries: number;
+  oom_failures: number;
+  state_changes: number;
+  idle_releases: number;
+  cache_empties: number;
+  fragmentation_releases: number;
+  leak_suspected: boolean;
+  leak_growth_bytes: number;
+  idle_baselines_bytes: number[];
+  large_allocations: number;
+  gpu_utilization_ratio?: number | null;
+  cpu_instead_of_gpu?: string | null;
+  models: ModelMemory[];
+}
+
+/** One image's outcome in `classifyStream`: `index` is its position in the input,
+ * `image` the input itself. */
+export type StreamItem =
+  | { index: number; image: ImageInput; ok: true; result: ClassifyResult }
+  | { index: number; image: ImageInput; ok: false; error: VramguardError | Error };
+
+export interface StreamOptions extends ClassifyOptions {
+  /** Requests in flight at most. Default 4. */
+  concurrency?: number;
+  /** Called as each image finishes, before it is yielded: images finished so far
+   * (failed ones included), and how many there are (undefined when the input has no
+   * `length`). An exception it throws ends the stream. */
+  onProgress?: (done: number, total: number | undefined) => void;
+}
+
+export declare const DEFAULT_URL: string;
+
+export declare class Client {
+  constructor(options?: ClientOptions);
+  readonly url: string;
+  readonly timeoutMs: number;
+  readonly clientId: string | undefined;
+  readonly maxRetries: number;
+  /** `POST /v1/classify`: the image's most likely classes. */
+  classify(image: ImageInput, options?: ClassifyOptions): Promise<ClassifyResult>;
+  /** `POST /v1/embed`: the image's features (L2-normalised). */
+  embed(image: ImageInput, options?: EmbedOptions): Promise<EmbedResult>;
+  /** `GET /v1/models`: every model this install can serve. */
+  models(options?: CallOptions): Promise<ModelsResult>;
+  /** `GET /v1/memory`: device memory, budget, watermarks and guard state. */
+  memory(options?: CallOptions): Promise<MemoryReport>;
+  /** Classify many images, at most `concurrency` at a time; yields one item per input as
+   * each finishes (in finishing order). A failed image never ends the stream. Breaking
+   * out of the loop cancels the requests still running. */
+  classifyStream(images: ImageSource, options?: StreamOptions): AsyncGenerator<StreamItem, void, undefined>;
+}
+export default Client;
+
+export interface ErrorOptions {
+  code?: string;
+  status?: number | null;
+  retryAfter?: number | null;
+  cause?: unknown;
+}
+
+/** Every failure of a call. */
+export declare class VramguardError extends Error {
+  /** The code a class stands for (`"error"` on the base class). */
+  static readonly code: string;
+  /** The HTTP status a class stands for (null for the client's own errors). */
+  static readonly status: number | null;
+  constructor(message: string, options?: ErrorOptions);
+  /** The server's error code, e.g. `"bad_image"`; or the client's own: `"not_running"`,
+   * `"connection_lost"`, `"timeout"`, `"unexpected_response"`. */
+  readonly code: string;
+  /** The HTTP status; null when no answer came. */
+  readonly status: number | null;
+  /** Seconds the server asked to wait (Retry-After; for a 429 without it,
+   * RateLimit-Reset), or null when it asked nothing. */
+  readonly retryAfter: number | null;
+}
+
+/** 400: empty body, not an image, damaged or truncated file. */
+export declare class BadImage extends VramguardError {}
+/** 400: e.g. an invalid `topK`. */
+export declare class BadRequest extends VramguardError {}
+/** 401: an admin endpoint without the right token. */
+export declare class Unauthorized extends VramguardError {}
+/** 403: a Host or web page Origin the server does not accept. */
+export declare class Forbidden extends VramguardError {}
+/** 404: unknown path, or a `model` that `models()` does not list. */
+export declare class NotFound extends VramguardError {}
+/** 405. */
+export declare class MethodNotAllowed extends VramguardError {}
+/** 408: the upload stalled. */
+export declare class RequestTimeout extends VramguardError {}
+/** 409: e.g. unloading a model with images in progress. */
+export declare class Conflict extends VramguardError {}
+/** 413: the upload is over the server's `max_body_bytes`. */
+export declare class PayloadTooLarge extends VramguardError {}
+/** 413: too many pixels, or too much memory to open. */
+export declare class ImageTooLarge extends VramguardError {}
+/** 415: not an image type the server accepts (SVG, icons, …). */
+export declare class UnsupportedMediaType extends VramguardError {}
+/** 422: a file built to take far too long to open. */
+export declare class ImageTooComplex extends VramguardError {}
+/** 429: this client sends faster than its rate (retried). */
+export declare class RateLimited extends VramguardError {
+  constructor(message: string, options?: ErrorOptions & { limit?: number | null; reset?: number | null });
+  /** RateLimit-Limit: the client's burst. */
+  readonly limit: number | null;
+  /** RateLimit-Reset: seconds until the client's bucket is full again. */
+  readonly reset: number | null;
+}
+/** 499: the client hung up before its answer. */
+export declare class ClientClosed extends VramguardError {}
+/** 500. */
+export declare class InternalError extends VramguardError {}
+/** Base of the 503 answers: the appliance cannot take this image now. */
+export declare class Unavailable extends VramguardError {}
+/** 503: the queue or the uploads are full (retried). */
+export declare class Overloaded extends Unavailable {}
+/** 503: not answered within the server's `request_timeout_s` (retried). */
+export declare class DeadlineExceeded extends Unavailable {}
+/** 503: still starting, or the model failed (retried). */
+export declare class NotReady extends Unavailable {}
+/** 503: an admin paused the appliance (not retried). */
+export declare class Paused extends Unavailable {}
+/** 503: this image, or the model asked for, does not fit in GPU memory now (retried). */
+export declare class InsufficientMemory extends Unavailable {}
+/** Nothing answers at the appliance's address (the fetch error is `cause`). Not retried. */
+export declare class NotRunning extends VramguardError {}
+/** The connection broke before the answer came (retried within the deadline). */
+export declare class ConnectionLost extends VramguardError {}
+/** The call's deadline (`timeoutMs`, waits and retries included) ran out. */
+export declare class Timeout extends VramguardError {}
+/** An answer that is not vramguard's JSON (`status` is its HTTP status). */
+export declare class UnexpectedResponse extends VramguardError {}
+
+/** The error class for each server error code. */
+export declare const ERROR_CLASSES: Readonly<Record<string, typeof VramguardError>>;
+
+/** The image type from its first bytes: `image/jpeg`, `image/png`, `image/webp`,
+ * `image/gif`, `image/bmp`, `image/tiff`, else `application/octet-stream`. */
+export declare function sniffContentType(bytes: Uint8Array): string;

@@ -1,0 +1,90 @@
+// Shared by the tests: a recording fake fetch, small images made here, the test photos.
+
+import { readFileSync } from "node:fs";
+import { fileURLToPath } from "node:url";
+import { deflateSync } from "node:zlib";
+
+/** tests/data of the repository (the espresso photo and the cat). */
+export const DATA = fileURLToPath(new URL("../../../tests/data/", import.meta.url));
+export const coffee = () => readFileSync(`${DATA}coffee.jpg`);
+export const chelsea = () => readFileSync(`${DATA}chelsea.jpg`);
+
+/** The JSON error body every vramguard error has. */
+export function errorResponse(status, code, message = `${code} happened`, headers = {}) {
+  return new Response(JSON.stringify({ error: { code, message } }),
+    { status, headers: { "content-type": "application/json", ...headers } });
+}
+
+export function jsonResponse(body, status = 200, headers = {}) {
+  return new Response(JSON.stringify(body),
+    { status, headers: { "content-type": "application/json", ...headers } });
+}
+
+export const CLASSIFIED = { model: "efficientnet_lite0", batch_size: 1, cached: false,
+  predictions: [{ label: "espresso", index: 967, score: 0.95 }], timing_ms: { total: 1 } };
+
+/** A fake fetch: `answer(call, n)` gives the Response of the n-th call (0-based), or a
+ * promise of one; every call is recorded with its time. A pending answer rejects when
+ * the request's signal aborts, as a real fetch does. */
+export function fakeFetch(answer) {
+  const calls = [];
+  const fetch = async (url, init) => {
+    const call = { url, init, at: performance.now(), aborted: false,
+      headers: new Headers(init.headers) };
+    calls.push(call);
+    const reply = Promise.resolve(answer(call, calls.length - 1));
+    return new Promise((resolve, reject) => {
+      const onAbort = () => {
+        call.aborted = true;
+        reject(new DOMException("This operation was aborted", "AbortError"));
+      };
+      if (init.signal?.aborted) onAbort();
+      init.signal?.addEventListener("abort", onAbort, { once: true });
+      reply.then(resolve, reject);
+    });
+  };
+  return { fetch, calls };
+}
+
+export const delay = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+
+const CRC_TABLE = Array.from({ length: 256 }, (_, n) => {
+  let c = n;
+  for (let k = 0; k < 8; k++) c = c & 1 ? 0xedb88320 ^ (c >>> 1) : c >>> 1;
+  return c >>> 0;
+});
+
+function crc32(bytes) {
+  let c = 0xffffffff;
+  for (const b of bytes) c = CRC_TABLE[(c ^ b) & 0xff] ^ (c >>> 8);
+  return (c ^ 0xffffffff) >>> 0;
+}
+
+function chunk(type, data) {
+  const out = Buffer.alloc(12 + data.length);
+  out.writeUInt32BE(data.length, 0);
+  out.write(type, 4, "ascii");
+  data.copy(out, 8);
+  out.writeUInt32BE(crc32(out.subarray(4, 8 + data.length)), 8 + data.length);
+  return out;
+}
+
+/** A valid RGB PNG of `size`×`size` pixels, a colour gradient seeded by `seed`. */
+export function makePng(size = 48, seed = 0) {
+  const header = Buffer.alloc(13);
+  header.writeUInt32BE(size, 0);
+  header.writeUInt32BE(size, 4);
+  header[8] = 8; // bit depth
+  header[9] = 2; // RGB
+  const raw = Buffer.alloc(size * (1 + size * 3));
+  for (let y = 0; y < size; y++) {
+    const row = y * (1 + size * 3);
+    for (let x = 0; x < size; x++) {
+      raw[row + 1 + x * 3] = (x * 5 + seed * 40) & 0xff;
+      raw[row + 2 + x * 3] = (y * 5 + seed * 90) & 0xff;
+      raw[row + 3 + x * 3] = ((x + y) * 3 + seed * 20) & 0xff;
+    }
+  }
+  return Buffer.concat([Buffer.from([0x89, 0x50, 0x4e, 0x47, 0x0d, 0x0a, 0x1a, 0x0a]),
+    chunk("IHDR", header), chunk("IDAT", deflateSync(raw)), chunk("IEND", Buffer.alloc(0))]);
+}

@@ -1,0 +1,209 @@
+"""The blocking client."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sized
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import Any
+
+import httpx
+
+from vramguard_client import _types as types
+from vramguard_client._discovery import ServerLocation, find_server
+from vramguard_client._errors import NotRunning, VramguardError
+from vramguard_client._protocol import (
+    JSON,
+    OCTETS,
+    Call,
+    ImageInput,
+    Pace,
+    Progress,
+    error_from,
+    headers_for,
+    image_bytes,
+    image_params,
+    json_body,
+    model_path,
+    new_challenge,
+    proven_origin,
+    read_token,
+    transport_error,
+)
+
+
+class Client:
+    """A blocking client of the vramguard appliance on this computer.
+
+    Without ``url`` it finds the running appliance itself (``find_server``). Every call
+    retries what the server says is worth retrying (429, and 503 overloaded,
+    deadline_exceeded, not_ready, insufficient_memory), waiting at least its
+    ``Retry-After``, within ``timeout`` seconds for the whole call. ``client_id`` (letters,
+    digits, ``._-``) gives this app a rate-limit bucket of its own."""
+
+    def __init__(self, url: str | None = None, *, timeout: float = 60.0,
+                 token_file: str | os.PathLike[str] | None = None,
+                 client_id: str | None = None, max_retries: int = 10,
+                 transport: httpx.BaseTransport | None = None) -> None:
+        self._explicit_url = url
+        self._token_file = token_file
+        self.location: ServerLocation = find_server(url, token_file)
+        self.timeout = timeout
+        self.max_retries = max_retries
+        self._pace = Pace()
+        self._http = httpx.Client(base_url=self.location.url, headers=headers_for(client_id),
+                                  transport=transport, timeout=timeout)
+
+    @property
+    def url(self) -> str:
+        return self.location.url
+
+    def _call(self, timeout: float | None, paced: bool = False) -> Call:
+        return Call(self.timeout if timeout is None else timeout, self.max_retries,
+                    self._pace if paced else None)
+
+    def _moved(self, call: Call) -> bool:
+        """Once per call, when nothing answers: whether a found (not given) appliance
+        now runs elsewhere (restarted on another port, say); then it is used."""
+        if self._explicit_url or not call.may_follow:
+            return False
+        call.may_follow = False
+        found = find_server(None, self._token_file)
+        if found.url == self.location.url:
+            return False
+        self.location = found
+        self._http.base_url = httpx.URL(found.url)
+        return True
+
+    def _send(self, call: Call, method: str, path: str, *, content: bytes | None = None,
+              params: Mapping[str, Any] | None = None,
+              headers: Mapping[str, str] | None = None) -> httpx.Response:
+        """One call with its retries: the successful answer, or the error raised."""
+        while True:
+            while wait := call.before_try():  # a hold may be extended meanwhile
+                time.sleep(wait)
+            try:
+                response = self._http.request(method, path, content=content, params=params,
+                                              headers=headers, timeout=call.try_timeout())
+            except httpx.TransportError as exc:
+                error = transport_error(exc, self.url)
+                if isinstance(error, NotRunning) and self._moved(call):
+                    continue
+            else:
+                if response.is_success:
+                    return response
+                error = error_from(response)
+            time.sleep(call.after_failure(error))
+
+    def _admin(self, path: str, timeout: float | None) -> dict[str, Any]:
+        """An admin call: the token goes only to a server that proved it knows it."""
+        token = read_token(self.location.token_file)
+        call = self._call(timeout)
+        nonce, challenge = new_challenge()
+        try:
+            answer: httpx.Response | None = self._send(
+                call, "POST", "/v1/identity", content=challenge, headers=JSON)
+        except VramguardError as exc:
+            if exc.status is None or exc.status in (429, 503):
+                raise
+            answer = None  # an answer, but not vramguard's to a challenge
+        origin = proven_origin(answer, token, nonce, self.url)
+        # The token goes only where the proof came from: never to a server found after it
+        # (this call does not follow a move), and to that origin even if another call of
+        # this client has moved it meanwhile.
+        call.may_follow = False
+        return json_body(self._send(call, "POST", origin + path,
+                                    headers={"Authorization": f"Bearer {token}"}))
+
+    def classify(self, image: ImageInput, top_k: int = 5, model: str | None = None, *,
+                 keep_alive: float | None = None,
+                 timeout: float | None = None) -> types.Classification:
+        """The image's ``top_k`` most likely classes (``model``: any name ``models()``
+        lists; the appliance's default when None)."""
+        answer = self._send(self._call(timeout, paced=True), "POST", "/v1/classify",
+                            content=image_bytes(image), headers=OCTETS,
+                            params=image_params(top_k, model, keep_alive))
+        return types.classification(json_body(answer))
+
+    def embed(self, image: ImageInput, model: str | None = None, *,
+              keep_alive: float | None = None, timeout: float | None = None) -> types.Embedding:
+        """The image's L2-normalised features (for similar images and duplicates)."""
+        answer = self._send(self._call(timeout, paced=True), "POST", "/v1/embed",
+                            content=image_bytes(image), headers=OCTETS,
+                            params=image_params(None, model, keep_alive))
+        return types.embedding(json_body(answer))
+
+    def classify_many(self, images: Iterable[ImageInput], top_k: int = 5,
+                      model: str | None = None, *, concurrency: int = 4,
+                      on_progress: Progress | None = None,
+                      ) -> Iterator[types.Outcome[types.Classification]]:
+        """Classify ``images`` with up to ``concurrency`` requests at once, yielding each
+        ``Outcome`` as it finishes (its ``index`` says which input it was). One image's
+        failure is that outcome's ``error``; the others go on."""
+        if concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+        total = len(images) if isinstance(images, Sized) else None
+
+        def one(index: int, image: ImageInput) -> types.Outcome[types.Classification]:
+            try:
+                return types.Outcome(index, image, result=self.classify(image, top_k, model))
+            except (VramguardError, OSError) as exc:
+                return types.Outcome(index, image, error=exc)
+
+        inputs = enumerate(images)
+        done = 0
+        with ThreadPoolExecutor(concurrency, thread_name_prefix="vramguard-client") as pool:
+            pending: set[Future[types.Outcome[types.Classification]]] = set()
+            while True:
+                for index, image in itertools.islice(inputs, concurrency - len(pending)):
+                    pending.add(pool.submit(one, index, image))
+                if not pending:
+                    return
+                finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+                for future in finished:
+                    done += 1
+                    if on_progress is not None:
+                        on_progress(done, total)
+                    yield future.result()
+
+    def models(self, *, timeout: float | None = None) -> list[types.ModelInfo]:
+        """Every model this appliance can serve, loaded or not."""
+        answer = self._send(self._call(timeout), "GET", "/v1/models")
+        return types.model_list(json_body(answer))
+
+    def memory(self, *, timeout: float | None = None) -> types.MemoryInfo:
+        """Device memory, the budget and the guard's state."""
+        answer = self._send(self._call(timeout), "GET", "/v1/memory")
+        return types.memory_info(json_body(answer))
+
+    def empty_cache(self, *, timeout: float | None = None) -> types.CacheRelease:
+        """Admin: give cached GPU memory back to other programs."""
+        return types.cache_release(self._admin("/v1/memory/empty-cache", timeout))
+
+    def load_model(self, name: str, *, timeout: float | None = None) -> types.ModelInfo:
+        """Admin: load ``name`` now and keep it until unloaded (a first load measures the
+        model, which can take a minute: give a longer ``timeout`` then)."""
+        return types.model_info(self._admin(model_path(name, "load"), timeout))
+
+    def unload_model(self, name: str, *, timeout: float | None = None) -> None:
+        """Admin: unload ``name`` (Conflict while it has images in progress)."""
+        self._admin(model_path(name, "unload"), timeout)
+
+    def pause(self, *, timeout: float | None = None) -> None:
+        """Admin: stop taking images (they get ``Paused``) until ``resume``."""
+        self._admin("/v1/admin/pause", timeout)
+
+    def resume(self, *, timeout: float | None = None) -> None:
+        """Admin: take images again."""
+        self._admin("/v1/admin/resume", timeout)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,532 @@
+"""The Python client (clients/python, import vramguard_client): discovery, calls, errors,
+retries. Fast tests answer through httpx.MockTransport; `slow` ones use real servers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import hashlib
+import hmac
+import io
+import itertools
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import vramguard_client as vg
+from images import DATA, encode, photo
+from live_server import ROOT, USER_DIRS, live_server
+from PIL import Image
+from vramguard_client._protocol import proven_origin
+
+from bench.process import free_port
+
+Handler = Callable[[httpx.Request], httpx.Response]
+CODES = {  # every code vramguard answers (README's errors table), with its exception
+    "bad_image": (400, vg.BadImage), "bad_request": (400, vg.BadRequest),
+    "unauthorized": (401, vg.Unauthorized), "forbidden": (403, vg.Forbidden),
+    "not_found": (404, vg.NotFound), "method_not_allowed": (405, vg.MethodNotAllowed),
+    "request_timeout": (408, vg.RequestTimeout), "conflict": (409, vg.Conflict),
+    "payload_too_large": (413, vg.PayloadTooLarge), "image_too_large": (413, vg.ImageTooLarge),
+    "unsupported_media_type": (415, vg.UnsupportedMediaType),
+    "image_too_complex": (422, vg.ImageTooComplex), "rate_limited": (429, vg.RateLimited),
+    "client_closed": (499, vg.ClientClosed), "internal_error": (500, vg.InternalError),
+    "overloaded": (503, vg.Overloaded), "deadline_exceeded": (503, vg.DeadlineExceeded),
+    "paused": (503, vg.Paused), "not_ready": (503, vg.NotReady),
+    "insufficient_memory": (503, vg.InsufficientMemory),
+}
+ANSWER = {"model": "efficientnet_lite0", "batch_size": 1, "cached": False,
+          "predictions": [{"label": "espresso", "index": 967, "score": 0.95}],
+          "timing_ms": {"total": 30.0}}
+ACCESS_LINE = re.compile(r"^(\S+ \S+) \w+ uvicorn\.access: .*\"POST /v1/classify\?top_k=(\d+) "
+                         r"HTTP/1\.1\" (\d{3})", re.MULTILINE)
+
+
+def error(code: str, headers: dict[str, str] | None = None) -> httpx.Response:
+    status = CODES[code][0]
+    return httpx.Response(status, headers=headers,
+                          json={"error": {"code": code, "message": f"the server says {code}"}})
+
+
+def mock(handler: Handler, **kwargs: Any) -> vg.Client:
+    return vg.Client("http://127.0.0.1:8765", transport=httpx.MockTransport(handler), **kwargs)
+
+
+class Script:
+    """A mock server that answers from a list, recording when each request came."""
+
+    def __init__(self, *answers: httpx.Response) -> None:
+        self.answers = list(answers)
+        self.requests: list[tuple[float, httpx.Request]] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append((time.monotonic(), request))
+        return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+
+    def gaps(self) -> list[float]:
+        times = [t for t, _ in self.requests]
+        return [b - a for a, b in itertools.pairwise(times)]
+
+
+# --- no PyTorch -------------------------------------------------------------------------
+
+def test_import_brings_in_neither_torch_nor_numpy_nor_the_server(tmp_path):
+    code = ("import sys, json, vramguard_client; "
+            "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))")
+    source = str(ROOT / "clients" / "python")  # installed or not; the repo is not on the path
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                         text=True, check=True, env={**os.environ, "PYTHONPATH": source})
+    loaded = set(json.loads(out.stdout))
+    assert "httpx" in loaded
+    assert not loaded & {"torch", "torchvision", "numpy", "app", "tray", "PIL", "pydantic"}
+
+
+# --- discovery --------------------------------------------------------------------------
+
+def config_home() -> Path:
+    return Path(os.environ["XDG_CONFIG_HOME"]) / "vramguard"
+
+
+def test_without_anything_it_is_the_default_port():
+    found = vg.find_server()
+    assert (found.url, found.source) == ("http://127.0.0.1:8765", "default")
+    assert found.token_file == config_home() / "admin-token"
+
+
+def test_config_file_then_environment(tmp_path, monkeypatch):
+    config_home().mkdir(parents=True)
+    (config_home() / "config.toml").write_text(
+        f'port = 9123\nhost = "0.0.0.0"\ntoken_file = "{tmp_path / "tok"}"\n')
+    found = vg.find_server()
+    assert (found.url, found.source, found.token_file) == \
+        ("http://127.0.0.1:9123", "config", tmp_path / "tok")
+    monkeypatch.setenv("VRAMGUARD_PORT", "9200")
+    assert vg.find_server().url == "http://127.0.0.1:9200"
+    other = tmp_path / "other.toml"
+    other.write_text('port = 9300\nhost = "::1"\n')
+    monkeypatch.delenv("VRAMGUARD_PORT")
+    monkeypatch.setenv("VRAMGUARD_CONFIG", str(other))
+    assert vg.find_server().url == "http://127.0.0.1:9300"
+    assert vg.find_server("http://10.0.0.5:1234/").url == "http://10.0.0.5:1234"
+
+
+@contextlib.contextmanager
+def instance(folder: Path, port: int, held: bool) -> Iterator[None]:
+    """What a vramguard on ``port`` writes about itself; ``held``: it is still running."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    (folder / f"instance-{port}.json").write_text(json.dumps(
+        {"pid": 1, "port": port, "url": f"http://127.0.0.1:{port}"}))
+    with open(folder / f"instance-{port}.lock", "w") as lock:
+        if held:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def test_a_running_instance_comes_before_the_config(monkeypatch):
+    monkeypatch.setenv("VRAMGUARD_PORT", "9001")
+    run = config_home() / "run"
+    with instance(run, 9400, held=False):  # a crashed server's leftovers
+        assert vg.find_server().source == "config"
+        with instance(run, 9500, held=True), instance(run, 9001, held=True):
+            assert vg.find_server().url == "http://127.0.0.1:9001"  # the configured port
+        with instance(run, 9500, held=True):
+            found = vg.find_server()
+            assert (found.url, found.source) == ("http://127.0.0.1:9500", "instance")
+
+
+def test_a_found_server_that_moved_is_followed():
+    """Started with nothing running (the default port), the client follows vramguard to
+    the port its instance file names once nothing answers where it was."""
+
+    def on_9500_only(request: httpx.Request) -> httpx.Response:
+        if request.url.port != 9500:
+            raise httpx.ConnectError("connection refused", request=request)
+        return httpx.Response(200, json={"models": []})
+
+    with vg.Client(transport=httpx.MockTransport(on_9500_only)) as client:
+        assert client.location.source == "default"
+        with instance(config_home() / "run", 9500, held=True):
+            assert client.models() == []
+        assert (client.url, client.location.source) == ("http://127.0.0.1:9500", "instance")
+
+
+# --- errors and retries, through a mock transport ---------------------------------------
+
+@pytest.mark.parametrize("code", sorted(CODES))
+def test_each_error_code_has_its_exception(code):
+    status, cls = CODES[code]
+    with mock(Script(error(code, {"Retry-After": "3"})), max_retries=0) as client, \
+            pytest.raises(cls) as raised:
+        client.classify(b"x")
+    assert (raised.value.code, raised.value.status) == (code, status)
+    assert raised.value.message == f"the server says {code}"
+    assert raised.value.retry_after == 3
+    assert isinstance(raised.value, vg.VramguardError)
+    assert isinstance(raised.value, vg.Unavailable) == (status == 503)
+
+
+def test_an_unknown_code_and_a_foreign_answer():
+    answer = httpx.Response(418, json={"error": {"code": "teapot", "message": "short"}})
+    with mock(Script(answer)) as client, pytest.raises(vg.VramguardError) as raised:
+        client.memory()
+    assert (raised.value.code, raised.value.status, raised.value.message) == \
+        ("teapot", 418, "short")
+    with mock(Script(httpx.Response(502, text="<html>bad gateway"))) as client, \
+            pytest.raises(vg.UnexpectedResponse, match="502"):
+        client.models()
+
+
+@pytest.mark.parametrize("code", ["bad_image", "not_found", "unauthorized", "paused",
+                                  "payload_too_large"])
+def test_other_errors_are_not_retried(code):
+    script = Script(error(code, {"Retry-After": "1"}), httpx.Response(200, json=ANSWER))
+    with mock(script) as client, pytest.raises(CODES[code][1]):
+        client.classify(b"x")
+    assert len(script.requests) == 1
+
+
+@pytest.mark.parametrize(("code", "headers"), [
+    ("overloaded", {"Retry-After": "1"}),
+    ("not_ready", {"Retry-After": "1"}),
+    ("rate_limited", {"RateLimit-Remaining": "0", "RateLimit-Reset": "1"}),
+])
+def test_a_refusal_is_retried_after_the_wait_the_server_asked(code, headers):
+    script = Script(error(code, headers), httpx.Response(200, json=ANSWER))
+    with mock(script) as client:
+        assert client.classify(b"x").top.label == "espresso"
+    [gap] = script.gaps()
+    assert 1.0 <= gap < 1.0 * 1.25 + 0.3  # never sooner; jitter at most 25 %
+
+
+def test_a_wait_past_the_deadline_raises_at_once():
+    script = Script(error("overloaded", {"Retry-After": "30"}), httpx.Response(200, json=ANSWER))
+    started = time.monotonic()
+    with mock(script, timeout=5) as client, pytest.raises(vg.Overloaded) as raised:
+        client.classify(b"x")
+    assert time.monotonic() - started < 1
+    assert raised.value.retry_after == 30
+    assert len(script.requests) == 1
+
+
+def test_without_retry_after_it_backs_off_and_gives_up_at_max_retries():
+    script = Script(error("deadline_exceeded"))
+    with mock(script, max_retries=2) as client, pytest.raises(vg.DeadlineExceeded):
+        client.classify(b"x")
+    assert len(script.requests) == 3
+    first, second = script.gaps()
+    assert 0.5 <= first < 0.625 + 0.3 and 1.0 <= second < 1.25 + 0.3  # 0.5, 1 s + jitter
+
+
+def test_concurrent_requests_hold_back_after_a_429():
+    """A token bucket of 1 request a second: after a 429 (Retry-After 1) no request of
+    the client goes out within that second, so four workers do not flood it."""
+    lock = threading.Lock()
+    served: list[float] = []
+    refused: list[float] = []
+    sent: list[float] = []
+
+    def bucket(request: httpx.Request) -> httpx.Response:
+        with lock:
+            now = time.monotonic()
+            sent.append(now)
+            if served and now - served[-1] < 1.0:
+                refused.append(now)
+                return error("rate_limited", {"Retry-After": "1"})
+            served.append(now)
+            return httpx.Response(200, json=ANSWER)
+
+    with mock(bucket) as client:
+        outcomes = list(client.classify_many([b"x"] * 4, concurrency=4))
+    assert all(o.ok for o in outcomes) and len(served) == 4 and refused
+    for answered in refused:
+        assert not [s for s in sent if 0.05 < s - answered < 1.0]
+
+
+def test_nothing_listening_is_not_running(tmp_path):
+    with vg.Client(f"http://127.0.0.1:{free_port()}") as client, \
+            pytest.raises(vg.NotRunning, match="is vramguard running"):
+        client.models()
+
+
+def test_classify_many_keeps_going_past_a_missing_file(tmp_path):
+    with mock(Script(httpx.Response(200, json=ANSWER))) as client:
+        outcomes = sorted(client.classify_many([b"x", tmp_path / "gone.jpg", b"y"]),
+                          key=lambda o: o.index)
+    assert [o.ok for o in outcomes] == [True, False, True]
+    assert isinstance(outcomes[1].error, FileNotFoundError)
+
+
+def test_a_pil_image_goes_as_png():
+    script = Script(httpx.Response(200, json=ANSWER))
+    with mock(script) as client:
+        client.classify(Image.new("CMYK", (4, 4)), top_k=3, model="efficientnet_lite1")
+    _, request = script.requests[0]
+    assert request.content.startswith(b"\x89PNG")
+    assert request.url.params == httpx.QueryParams(top_k=3, model="efficientnet_lite1")
+
+
+def test_client_id_names_the_apps_rate_limit_bucket():
+    script = Script(httpx.Response(200, json={"models": []}))
+    with mock(script, client_id="photo-app.2") as client:
+        client.models()
+    assert script.requests[0][1].headers["x-client-id"] == "photo-app.2"
+    with pytest.raises(ValueError, match="client_id"):
+        vg.Client("http://127.0.0.1:1", client_id="photo app")
+
+
+# --- the admin token goes only to a server that proves it holds it ----------------------
+
+def token_file(tmp_path: Path, mode: int = 0o600) -> Path:
+    path = tmp_path / "admin-token"
+    path.write_text("s3cret\n")
+    path.chmod(mode)
+    return path
+
+
+def test_admin_token_only_after_the_proof(tmp_path):
+    seen: list[httpx.Request] = []
+
+    def honest(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        if request.url.path == "/v1/identity":
+            nonce = bytes.fromhex(json.loads(request.content)["nonce"])
+            body = {"proof": proof_for("s3cret", nonce, 8765)}
+            return httpx.Response(200, json=body)
+        return httpx.Response(200, json={"reserved_before_bytes": 10,
+                                         "reserved_after_bytes": 4, "freed_bytes": 6})
+
+    with mock(honest, token_file=token_file(tmp_path)) as client:
+        assert client.empty_cache() == vg.CacheRelease(10, 4, 6)
+    assert [r.url.path for r in seen] == ["/v1/identity", "/v1/memory/empty-cache"]
+    assert "authorization" not in seen[0].headers
+    assert seen[1].headers["authorization"] == "Bearer s3cret"
+
+
+def proof_for(token: str, nonce: bytes, port: int) -> str:
+    return hmac.new(token.encode(), nonce + port.to_bytes(2, "big"), hashlib.sha256).hexdigest()
+
+
+@pytest.mark.parametrize("answer", [
+    httpx.Response(200, json={"proof": "00" * 32}),
+    httpx.Response(404, json={"error": {"code": "not_found", "message": "?"}}),
+    httpx.Response(200, text="hello"),
+])
+def test_a_server_that_cannot_prove_gets_no_token(tmp_path, answer):
+    script = Script(answer)
+    with mock(script, token_file=token_file(tmp_path)) as client, \
+            pytest.raises(vg.NotVramguard):
+        client.pause()
+    assert [r.url.path for _, r in script.requests] == ["/v1/identity"]
+
+
+def test_the_proof_is_bound_to_the_port():
+    nonce = b"n" * 32
+
+    def answer(port: int) -> httpx.Response:
+        request = httpx.Request("POST", "http://127.0.0.1:8765/v1/identity")
+        return httpx.Response(200, json={"proof": proof_for("t", nonce, port)}, request=request)
+
+    assert proven_origin(answer(8765), "t", nonce, "") == "http://127.0.0.1:8765"
+    with pytest.raises(vg.NotVramguard):
+        proven_origin(answer(8766), "t", nonce, "")
+
+
+def test_the_token_never_follows_a_server_that_moved(tmp_path):
+    """The proof came from port 8765; when 8765 then stops answering and an instance file
+    names another port, the token is not sent there."""
+    seen: list[httpx.Request] = []
+    with contextlib.ExitStack() as later:
+
+        def vanishing(request: httpx.Request) -> httpx.Response:
+            seen.append(request)
+            if request.url.port != 8765:
+                return httpx.Response(200, json={"paused": True})
+            if request.url.path == "/v1/identity":
+                later.enter_context(instance(tmp_path / "run", 9500, held=True))
+                nonce = bytes.fromhex(json.loads(request.content)["nonce"])
+                return httpx.Response(200, json={"proof": proof_for("s3cret", nonce, 8765)})
+            raise httpx.ConnectError("connection refused", request=request)
+
+        with vg.Client(transport=httpx.MockTransport(vanishing),
+                       token_file=token_file(tmp_path)) as client, \
+                pytest.raises(vg.NotRunning):
+            assert client.location.source == "default"
+            client.pause()
+    assert [(r.url.port, r.url.path) for r in seen] == \
+        [(8765, "/v1/identity"), (8765, "/v1/admin/pause")]
+
+
+def test_a_token_file_others_can_read_is_refused(tmp_path):
+    script = Script(httpx.Response(200, json={}))
+    with mock(script, token_file=token_file(tmp_path, 0o644)) as client, \
+            pytest.raises(vg.Unauthorized, match="chmod 600"):
+        client.resume()
+    assert script.requests == []
+
+
+# --- a real server ----------------------------------------------------------------------
+
+def broken_jpeg() -> bytes:
+    return photo()[:2000]
+
+
+def batch(tmp_path: Path) -> list[vg.ImageInput]:
+    """Twelve inputs: paths, bytes and PIL images of two photos, and two broken files."""
+    coffee, cat = Image.open(DATA / "coffee.jpg"), Image.open(DATA / "chelsea.jpg")
+    items: list[vg.ImageInput] = [DATA / "coffee.jpg", str(DATA / "chelsea.jpg"), photo(),
+                                  photo("chelsea.jpg"), coffee, cat]
+    for size in (200, 300, 400, 500):
+        items.append(encode(coffee.convert("RGB").resize((size, size)), "JPEG"))
+    (tmp_path / "text.jpg").write_text("not an image")
+    items[4:4] = [tmp_path / "text.jpg"]
+    items.append(broken_jpeg())
+    return items
+
+
+@pytest.fixture
+def home_of(monkeypatch: pytest.MonkeyPatch) -> Callable[[Any], None]:
+    """Give this test process the user folders a live server was started with."""
+
+    def use(server: Any) -> None:
+        for var in USER_DIRS:
+            monkeypatch.setenv(var, str(server.home / var.lower()))
+        monkeypatch.setenv("VRAMGUARD_TOKEN_FILE", str(server.token_file))
+
+    return use
+
+
+@pytest.mark.slow
+def test_client_finds_the_running_server_by_itself(server, home_of):
+    home_of(server)
+    with vg.Client() as client:
+        assert (client.url, client.location.source) == (server.url, "instance")
+        result = client.classify(DATA / "coffee.jpg")
+    assert result.top.label == "espresso" and result.top.index == 967
+    assert result.model == "efficientnet_lite0" and result.batch_size >= 1
+    assert len(result.predictions) == 5 and "total" in result.timing_ms
+
+
+@pytest.mark.slow
+def test_classify_and_embed_on_the_real_model(server):
+    with vg.Client(server.url) as client:
+        from_bytes = client.classify(photo(), top_k=2)
+        from_pil = client.classify(Image.open(io.BytesIO(photo())))
+        coffee, again = client.embed(DATA / "coffee.jpg"), client.embed(photo())
+        cat = client.embed(DATA / "chelsea.jpg")
+    assert from_bytes.top.label == from_pil.top.label == "espresso"
+    assert len(from_bytes.predictions) == 2
+    assert coffee.dimensions == len(coffee.vector) == 1280
+    assert math.isclose(math.fsum(v * v for v in coffee.vector), 1.0, abs_tol=1e-4)
+    assert coffee.similarity(again) > 0.999 and cat.similarity(coffee) < 0.9
+
+
+@pytest.mark.slow
+def test_classify_many_with_two_broken_images(server, tmp_path):
+    images = batch(tmp_path)
+    progress: list[tuple[int, int | None]] = []
+    with vg.Client(server.url) as client:
+        outcomes = list(client.classify_many(images, concurrency=4,
+                                             on_progress=lambda *p: progress.append(p)))
+    assert sorted(o.index for o in outcomes) == list(range(12))
+    assert progress == [(done, 12) for done in range(1, 13)]
+    failed = {o.index: o.error for o in outcomes if not o.ok}
+    assert sorted(failed) == [4, 11]
+    assert all(isinstance(e, vg.BadImage) and e.message for e in failed.values())
+    for outcome in outcomes:
+        assert outcome.image is images[outcome.index]
+        if outcome.ok:
+            assert outcome.result.top.label in {"espresso", "tabby", "tiger cat", "Egyptian cat"}
+
+
+@pytest.mark.slow
+def test_real_errors_and_admin_calls(server, tmp_path):
+    with vg.Client(server.url) as client:
+        with pytest.raises(vg.BadImage):
+            client.classify(b"definitely not an image")
+        with pytest.raises(vg.NotFound, match="no_such_model"):
+            client.classify(photo(), model="no_such_model")
+        with pytest.raises(vg.BadRequest, match="top_k"):
+            client.classify(photo(), top_k=0)
+        models = {m.name: m for m in client.models()}
+        assert models["efficientnet_lite0"].loaded and models["efficientnet_lite0"].pinned
+        memory = client.memory()
+        assert memory.state in {"ok", "high", "shedding"} and memory.total_bytes > 0
+    with vg.Client(server.url, token_file=tmp_path / "none") as client, \
+            pytest.raises(vg.Unauthorized, match="admin token file"):
+        client.empty_cache()
+    with vg.Client(server.url, token_file=server.token_file) as admin:
+        assert admin.empty_cache().freed_bytes >= 0
+        assert admin.load_model("efficientnet_lite0").loaded
+        with pytest.raises(vg.NotFound, match="not loaded"):
+            admin.unload_model("no_such_model")
+        admin.pause()
+        try:
+            with pytest.raises(vg.Paused) as paused:
+                admin.classify(photo())
+            assert paused.value.status == 503 and paused.value.retry_after
+        finally:
+            admin.resume()
+        assert admin.classify(photo()).top.label == "espresso"
+
+
+@pytest.mark.slow
+def test_async_client(server, tmp_path, home_of):
+    home_of(server)
+    images = batch(tmp_path)
+    progress: list[int] = []
+
+    async def run() -> tuple[vg.Classification, vg.Embedding, list[vg.Outcome[vg.Classification]],
+                             float]:
+        async with vg.AsyncClient() as client:
+            assert client.url == server.url
+            single = await client.classify(DATA / "coffee.jpg")
+            features = await client.embed(photo())
+            outcomes = [o async for o in client.classify_many(
+                images, concurrency=3, on_progress=lambda done, _: progress.append(done))]
+            freed = (await client.empty_cache()).freed_bytes
+        return single, features, outcomes, freed
+
+    single, features, outcomes, freed = asyncio.run(run())
+    assert single.top.label == "espresso" and features.dimensions == 1280 and freed >= 0
+    assert sorted(o.index for o in outcomes) == list(range(12)) and progress == list(range(1, 13))
+    assert sorted(o.index for o in outcomes if not o.ok) == [4, 11]
+
+
+def access_log(text: str) -> list[tuple[float, int, int]]:
+    """(time, top_k, status) of each classify request in the server's access log."""
+    return [(datetime.strptime(when, "%Y-%m-%d %H:%M:%S,%f").timestamp(), int(k), int(status))
+            for when, k, status in ACCESS_LINE.findall(text)]
+
+
+@pytest.mark.slow
+def test_a_429_makes_the_client_wait_the_servers_retry_after(tmp_path):
+    """One classify token, refilled every 2 s, and two calls at once (told apart by their
+    top_k): one is refused with Retry-After 2, and by the server's own clock (its log)
+    arrives again no sooner."""
+    env = {"VRAMGUARD_CLASSIFY_BURST": "1", "VRAMGUARD_CLASSIFY_PER_S": "0.5",
+           "VRAMGUARD_LOG_LEVEL": "debug"}
+    with live_server(tmp_path, "--no-cache", env=env) as limited, \
+            vg.Client(limited.url) as client, ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda k: client.classify(photo(), top_k=k), [1, 2]))
+        stats = httpx.get(f"{limited.url}/v1/stats").json()
+        log = access_log(limited.log_text())
+    assert [r.top.label for r in results] == ["espresso", "espresso"]
+    assert stats["rate_limited"] == 1  # one refusal, not a flood of them
+    [(refused_at, k, _)] = [line for line in log if line[2] == 429]
+    [(answered_at, _, _)] = [line for line in log if line[1] == k and line[2] == 200]
+    assert sorted(status for _, _, status in log) == [200, 200, 429]
+    arrived_again = answered_at - results[k - 1].timing_ms["total"] / 1000
+    assert arrived_again - refused_at >= 2.0 - 0.05
