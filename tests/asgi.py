@@ -72,7 +72,8 @@ class ReadyEngine(InferenceEngine):
         # Only what the routes under test read: the model and the warmup's duration; a
         # lane, never run (no device thread), for admission to count places in.
         self.runtimes[model.name] = cast(Runtime, SimpleNamespace(
-            model=model, warmup=SimpleNamespace(duration_s=WARMUP_S)))
+            model=model, warmup=SimpleNamespace(duration_s=WARMUP_S),
+            memory=SimpleNamespace(weights_bytes=0), guard=SimpleNamespace(max_batch=1)))
         self.batcher.add_lane(model.name, lambda samples: [])
         self.phase = Phase.READY
         self.samples: list[Sample] = []

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from app.api import admin, classify, embed, events, memory, models, status, ui
+from app.api import admin, classify, embed, events, memory, models, oip, status, ui
 
 ROUTERS: tuple[APIRouter, ...] = (classify.router, embed.router, models.router, memory.router,
-                                  events.router, status.router, admin.router, ui.router)
+                                  events.router, status.router, admin.router, ui.router,
+                                  oip.router)

@@ -1,5 +1,6 @@
-"""The mapping of every failure to the JSON error shape ``{"error": {"code", "message"}}``,
-each answer counted by outcome code."""
+"""The mapping of every failure to the JSON error shape ``{"error": {"code", "message"}}``
+(``{"error": "message"}`` under /v2: ``app.gates.error_response``), each answer counted by
+outcome code."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse
 
 from app.errors import ApiError, BadRequest, ClientGone, InternalError, MethodNotAllowed, NotFound
+from app.gates import error_response
 from app.state import state_of
 
 log = logging.getLogger("vramguard.server")
@@ -29,7 +31,7 @@ def validation_message(exc: RequestValidationError) -> str:
 def _answer(request: Request, error: ApiError,
             headers: Mapping[str, str] | None = None) -> JSONResponse:
     state_of(request).stats.count(error.code)
-    response = error.response()
+    response = error_response(error, request.scope["path"])
     response.headers.update(headers or {})
     return response
 

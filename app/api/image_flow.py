@@ -17,6 +17,7 @@ from fastapi import Request
 from starlette.datastructures import UploadFile
 
 from app.cache import cache_key
+from app.engine.batcher import Reservation
 from app.engine.predictor import CLASSIFY, EMBED, Ranked, Sample, numerics
 from app.errors import BadRequest, ClientGone, UnsupportedMediaType, too_busy_to_start
 from app.gates.body_limit import body_done
@@ -39,6 +40,7 @@ BODY_DOC = {
 KEEP_ALIVE_DOC = ("Seconds the model stays loaded after this request (-1: for ever, 0: "
                   "unload when done); default: the keep_alive_s setting.")
 Cached = Ranked | np.ndarray
+Prepared = tuple[str | None, Cached | torch.Tensor]  # the cache key; the answer or pixels
 
 
 @dataclass(frozen=True)
@@ -100,11 +102,11 @@ async def unless_disconnected(request: Request, work: asyncio.Future[Any]) -> An
 
 
 def _prepare(state: AppState, model: LoadedModel, data: bytes, deadline: float,
-             task: str = CLASSIFY) -> tuple[str | None, Cached | torch.Tensor]:
+             task: str = CLASSIFY, use_cache: bool = True) -> Prepared:
     """On the CPU pool: the cache key and the cached answer (by content hash), or the
     pixels, decoded and preprocessed by a decode worker process before ``deadline``."""
     key = None
-    if state.cache is not None:
+    if use_cache and state.cache is not None:
         key = cache_key(data, model.name, model.weights_version, numerics(model.device), task)
         hit: Cached | None
         if task == CLASSIFY:
@@ -118,6 +120,51 @@ def _prepare(state: AppState, model: LoadedModel, data: bytes, deadline: float,
         if hit is not None:
             return key, hit
     return key, torch.from_numpy(state.decoder.decode(data, model.preprocessing, deadline))
+
+
+async def prepare(state: AppState, model: LoadedModel, data: bytes, deadline: float,
+                  task: str = CLASSIFY, *, use_cache: bool = True) -> Prepared:
+    """An image's bytes, already read, to its cached answer or its pixels (``_prepare``),
+    on the CPU pool; refused at once when the pool could not start it before ``deadline``.
+    ``use_cache=False`` for an answer the cache holds only half of (ranking and features)."""
+    return await state.pool.run_before(deadline, _prepare, state, model, data, deadline, task,
+                                       use_cache)
+
+
+async def answer(request: Request, model: LoadedModel, prepared: Prepared, place: Reservation,
+                 deadline: float, task: str, top_k: int, started: float, *,
+                 watch: bool = True) -> Served:
+    """A prepared image's answer: the cached one, or computed in its place in line (then
+    cached). ``watch``: withdraw it if the client hangs up; a route that sends several
+    images of one request watches them all at once instead (one reader of the connection)."""
+    state = state_of(request)
+    engine = state.engine
+    key, found = prepared
+    prepared_at = time.perf_counter()
+    batch_size, ranked, embedding = 0, None, None
+    if isinstance(found, Ranked):
+        ranked = found
+    elif isinstance(found, np.ndarray):
+        embedding = found
+    else:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise too_busy_to_start()
+        work = asyncio.ensure_future(engine.classify(Sample(found, top_k, task), left, place,
+                                                     model.name))
+        prediction = await (unless_disconnected(request, work) if watch else work)
+        batch_size, ranked = prediction.batch_size, prediction.ranked
+        embedding = prediction.embedding
+    if key is not None and state.cache is not None and batch_size:
+        if embedding is not None:
+            await state.pool.run(state.cache.put_embedding, key, embedding)
+        elif ranked is not None:
+            await state.pool.run(state.cache.put, key, ranked)
+    outcome = "ok" if batch_size else "cached"
+    state.stats.count(outcome)
+    engine.count(model.name, outcome)
+    return Served(model, ranked, embedding, batch_size, prepared_at - started,
+                  time.perf_counter() - started)
 
 
 async def serve_image(request: Request, model: str | None, keep_alive_s: float | None,
@@ -135,32 +182,7 @@ async def serve_image(request: Request, model: str | None, keep_alive_s: float |
                          "model.")
     with engine.admit(max(0.0, deadline - time.monotonic()), loaded.name) as place:
         data = await read_upload(request)
-        key, found = await state.pool.run_before(deadline, _prepare, state, loaded, data,
-                                                 deadline, task)
+        prepared = await prepare(state, loaded, data, deadline, task)
         del data
         body_done(request.scope)
-        prepared = time.perf_counter()
-        batch_size, ranked, embedding = 0, None, None
-        if isinstance(found, Ranked):
-            ranked = found
-        elif isinstance(found, np.ndarray):
-            embedding = found
-        else:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise too_busy_to_start()
-            work = asyncio.ensure_future(engine.classify(Sample(found, top_k, task), left,
-                                                         place, loaded.name))
-            prediction = await unless_disconnected(request, work)
-            batch_size, ranked = prediction.batch_size, prediction.ranked
-            embedding = prediction.embedding
-    if key is not None and state.cache is not None and batch_size:
-        if embedding is not None:
-            await state.pool.run(state.cache.put_embedding, key, embedding)
-        elif ranked is not None:
-            await state.pool.run(state.cache.put, key, ranked)
-    outcome = "ok" if batch_size else "cached"
-    state.stats.count(outcome)
-    engine.count(loaded.name, outcome)
-    return Served(loaded, ranked, embedding, batch_size, prepared - started,
-                  time.perf_counter() - started)
+        return await answer(request, loaded, prepared, place, deadline, task, top_k, started)

@@ -3,10 +3,23 @@ body-size limits, and the admin token and dashboard sessions that admin calls ne
 
 from __future__ import annotations
 
+from starlette.responses import JSONResponse
 from starlette.types import Receive, Scope, Send
 
 from app.errors import ApiError
 from app.stats import RequestStats
+
+OIP_PREFIX = "/v2"  # the Open Inference Protocol's routes (app/api/oip.py)
+
+
+def error_response(error: ApiError, path: str) -> JSONResponse:
+    """The answer to ``error`` for a request to ``path``, from a gate or a route alike:
+    ``{"error": "message"}`` under /v2, the shape clients written for Triton or KServe
+    read, and the API's ``{"error": {"code", "message"}}`` everywhere else."""
+    if path == OIP_PREFIX or path.startswith(OIP_PREFIX + "/"):
+        return JSONResponse({"error": error.message}, status_code=error.status,
+                            headers=error.headers())
+    return error.response()
 
 
 async def refuse(error: ApiError, stats: RequestStats, scope: Scope, receive: Receive,
@@ -15,4 +28,4 @@ async def refuse(error: ApiError, stats: RequestStats, scope: Scope, receive: Re
     error handlers (which count every route's errors) never see these: count them here,
     so that /v1/stats shows every refusal."""
     stats.count(error.code)
-    await error.response()(scope, receive, send)
+    await error_response(error, scope["path"])(scope, receive, send)

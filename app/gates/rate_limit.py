@@ -15,10 +15,10 @@ A caller that sends the admin token (or a dashboard session) is recognised befor
 anything is charged: its requests use buckets of their own, whatever ``X-Client-Id``
 it claims, and skip the global read and admin buckets. So no program without the
 token can spend the tray's tokens or starve it through the global buckets.
-``/healthz`` and ``/readyz`` skip the global buckets too: a supervisor's health
-check must not fail because others are busy; so does ``/v1/events``, whose cost is
-bounded by its stream slots, so that the tray's live line (which carries no token)
-cannot be starved by others' reads. The two handshakes made before a caller
+``/healthz`` and ``/readyz`` (and ``/v2/health/*``) skip the global buckets too: a
+supervisor's health check must not fail because others are busy; so does ``/v1/events``,
+whose cost is bounded by its stream slots, so that the tray's live line (which carries
+no token) cannot be starved by others' reads. The two handshakes made before a caller
 can authenticate, ``/v1/identity`` (the tray checks the server before it sends the
 token) and ``/v1/ui/session`` (the dashboard trades its one-time code), are not charged
 at all: any bucket they shared could be emptied by a program without the token, and
@@ -29,12 +29,20 @@ Decision: a rejected request costs no token. Otherwise a client that keeps
 retrying too early would starve itself for ever; with this rule, honouring
 ``Retry-After`` always works.
 
+An image stream (``STREAM_ROUTES``: many images in one request) costs what the same
+images sent one by one would: one classify token per image. The request's own token pays
+for its first image; the route takes one more (``TOKEN_KEY`` in the scope) for each
+further image as it starts to read it, and when none is left it waits for the next one
+instead of failing: the stream slows to the client's rate, and those waits are not
+counted as refusals.
+
 Memory is bounded: buckets of clients idle long enough to be full again are
 dropped, and at most ``max_clients`` are kept (the least recently seen go).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import threading
@@ -53,9 +61,14 @@ from app.stats import RequestStats
 _CLIENT_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _ADMIN_CALLER = "#admin"  # appended to an authenticated caller's key (ids cannot hold '#')
 HANDSHAKES = frozenset({"/v1/identity", "/v1/ui/session"})
-NOT_GLOBAL = frozenset({"/healthz", "/readyz", "/v1/events"})
-# Routes that send an image to a model: they share the classify buckets.
-IMAGE_ROUTES = frozenset({"/v1/classify", "/v1/embed"})
+NOT_GLOBAL = frozenset({"/healthz", "/readyz", "/v1/events", "/v2/health/live",
+                        "/v2/health/ready"})
+# Routes that send images to a model: they share the classify buckets. So does the Open
+# Inference Protocol's infer route, for any model and version (app/api/oip.py).
+STREAM_ROUTES = frozenset({"/v1/classify/stream"})  # many images, a token each (above)
+IMAGE_ROUTES = frozenset({"/v1/classify", "/v1/embed"}) | STREAM_ROUTES
+TOKEN_KEY = "vramguard.take_token"  # in a stream's scope: () -> Decision, one more token
+OIP_INFER = re.compile(r"^/v2/models/[^/]+(?:/versions/[^/]+)?/infer$")
 _EPSILON = 1e-9  # float refill arithmetic must not deny a token that is due
 
 
@@ -136,9 +149,10 @@ class RateLimiter:
         self._lock = threading.Lock()
         self.rejected = 0
 
-    def check(self, family: str, client: str, *, shared: bool = True) -> Decision:
+    def check(self, family: str, client: str, *, shared: bool = True,
+              counted: bool = True) -> Decision:
         """Take a token from the client's bucket and (with ``shared``) the family's global
-        one, or say how long to wait."""
+        one, or say how long to wait (a refusal ``counted`` in ``rejected``)."""
         rate = self.per_client.get(family)
         if rate is None:
             return Decision(True, 0, 0, 0.0)
@@ -150,7 +164,8 @@ class RateLimiter:
             common = self._globals.get(family) if shared else None
             blocked = [b for b in (bucket, common) if b is not None and b.seconds_until_token(now)]
             if blocked:
-                self.rejected += 1
+                if counted:
+                    self.rejected += 1
                 wait = max(b.seconds_until_token(now) for b in blocked)
                 return Decision(False, rate.burst, 0, bucket.seconds_until_full(now), wait)
             bucket.try_take(now)
@@ -175,7 +190,7 @@ def route_family(method: str, path: str) -> str:
     """classify, admin (state-changing /v1 calls) or read (everything else), by the
     request's shape alone (also the metrics' label); ``RateLimitMiddleware`` charges
     only requests for routes that exist."""
-    if path in IMAGE_ROUTES:
+    if path in IMAGE_ROUTES or OIP_INFER.match(path):
         return "classify"
     if method == "POST" and path.startswith("/v1/"):
         return "admin"
@@ -221,10 +236,10 @@ class RateLimitMiddleware:
         self.stats = stats
         self.is_admin = is_admin
 
-    def charge(self, scope: Scope) -> Decision:
+    def charge(self, scope: Scope, *, counted: bool = True) -> Decision:
         """Take this request's token from its client's bucket for its family, and from
         the family's global bucket unless it is exempt; nothing for a handshake or a route
-        that does not exist."""
+        that does not exist. ``counted``: a refusal counts as a rate-limited request."""
         path = scope["path"]
         if path in HANDSHAKES or not route_exists(scope):
             return Decision(True, 0, 0, 0.0)
@@ -233,8 +248,9 @@ class RateLimitMiddleware:
         header = authorization(scope)
         if header and self.is_admin(header):
             return self.limiter.check(family, client + _ADMIN_CALLER,
-                                      shared=family == "classify")
-        return self.limiter.check(family, client, shared=path not in NOT_GLOBAL)
+                                      shared=family == "classify", counted=counted)
+        return self.limiter.check(family, client, shared=path not in NOT_GLOBAL,
+                                  counted=counted)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -251,6 +267,8 @@ class RateLimitMiddleware:
         if not decision.limit:
             await self.app(scope, receive, send)
             return
+        if scope["path"] in STREAM_ROUTES:
+            scope[TOKEN_KEY] = functools.partial(self.charge, scope, counted=False)
 
         async def with_headers(message: Message) -> None:
             if message["type"] == "http.response.start":
