@@ -78,7 +78,47 @@ def build_parser() -> argparse.ArgumentParser:
     stop.add_argument("--port", type=int, help="Stop only the server on this port.")
     stop.add_argument("--timeout-s", type=float, default=30.0,
                       help="How long to let it finish queued work before ending it.")
+    _add_classify(commands)
     return parser
+
+
+def _add_classify(commands: Any) -> None:
+    """`vramguard classify` (a client of the appliance: ``app.cli_classify``, imported only
+    when it runs, so that the server starts without its imports)."""
+    parser = commands.add_parser(
+        "classify", help="Tag image files and folders through the running vramguard "
+        "(started for the run if none is).",
+        description="Tag image files and folders: one result per image on stdout as it "
+        "arrives, progress on stderr. Folders give their image files (jpg, png, webp, bmp, "
+        "gif, tif); named files are sent whatever their name. Exit status: 0, or 1 with "
+        "--strict when an image failed or could not be read; 2 for a usage error; 130 "
+        "after Ctrl-C.")
+    parser.add_argument("paths", nargs="+", metavar="PATH", help="Image files and folders.")
+    parser.add_argument("-r", "--recursive", action="store_true",
+                        help="Also tag the images in the folders' subfolders.")
+    parser.add_argument("--model", help="Model to use (GET /v1/models lists them); the "
+                        "appliance's default if omitted.")
+    parser.add_argument("--top-k", type=_top_k, default=5, metavar="K",
+                        help="Classes per image (1-1000, default 5).")
+    formats = parser.add_mutually_exclusive_group()
+    formats.add_argument("--json", action="store_true",
+                         help="One JSON object per line: path, model, predictions, cached.")
+    formats.add_argument("--csv", action="store_true",
+                         help="CSV with a header: path, model, label_N and score_N, error.")
+    parser.add_argument("--embed", action="store_true",
+                        help="Also each image's features (1280 numbers for the default "
+                        "model), for finding similar images.")
+    parser.add_argument("--strict", action="store_true",
+                        help="Exit with status 1 if any image failed or could not be read.")
+    parser.add_argument("--url", help="The appliance's address (default: the running "
+                        "vramguard, found as every client finds it).")
+
+
+def _top_k(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 1000:
+        raise argparse.ArgumentTypeError("K is 1 to 1000")
+    return value
 
 
 # options that are not settings
@@ -104,6 +144,14 @@ def windowed_main(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "classify":  # a client of the appliance: no settings of its own
+        try:
+            from app.cli_classify import run_classify
+        except ImportError as exc:  # vramguard_client is a package of its own
+            print(f"vramguard classify: {exc}; install clients/python (pip install "
+                  "./clients/python).", file=sys.stderr)
+            return 1
+        return run_classify(args)
     try:
         settings = _settings(args)
     except ConfigError as exc:

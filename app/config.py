@@ -117,6 +117,11 @@ class Settings(BaseSettings):
                                 "this many whole seconds after an answer is closed.")
     max_body_bytes: ByteSize = Field(ByteSize(32 * 1024**2), gt=0,
                                      description="Largest accepted upload (e.g. 32MiB).")
+    max_stream_bytes: ByteSize = Field(ByteSize(2 * 1024**3), gt=0,
+                                       description="Largest body of POST "
+                                       "/v1/classify/stream, all its images together (e.g. "
+                                       "2GiB); each image in it is still held to "
+                                       "max_body_bytes.")
     max_inflight_body_bytes: ByteSize = Field(ByteSize(128 * 1024**2), gt=0,
                                               description="Most upload bytes received and "
                                               "held by all requests in progress together; "

@@ -178,7 +178,8 @@ def gates(settings: Settings, state: AppState) -> list[Middleware]:
         BodySizeLimit, max_bytes=int(settings.max_body_bytes),
         max_inflight_bytes=int(settings.max_inflight_body_bytes),
         max_client_bytes=int(settings.max_inflight_body_bytes_per_client),
-        read_timeout_s=settings.body_read_timeout_s, stats=state.stats))
+        read_timeout_s=settings.body_read_timeout_s, stats=state.stats,
+        max_stream_bytes=int(settings.max_stream_bytes)))
     return layers
 
 

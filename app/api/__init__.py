@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from app.api import admin, classify, embed, events, memory, models, oip, status, ui
+from app.api import admin, classify, embed, events, memory, models, oip, status, stream, ui
 
-ROUTERS: tuple[APIRouter, ...] = (classify.router, embed.router, models.router, memory.router,
-                                  events.router, status.router, admin.router, ui.router,
-                                  oip.router)
+ROUTERS: tuple[APIRouter, ...] = (classify.router, stream.router, embed.router, models.router,
+                                  memory.router, events.router, status.router, admin.router,
+                                  ui.router, oip.router)

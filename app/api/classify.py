@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
 
-from app.api.image_flow import BODY_DOC, KEEP_ALIVE_DOC, serve_image
+from app.api.image_flow import BODY_DOC, KEEP_ALIVE_DOC, Served, serve_image
 from app.engine.predictor import CLASSIFY
 from app.schemas import ClassifyResponse, ErrorResponse, PredictionOut
 
@@ -27,7 +27,12 @@ async def classify(
     keep_alive: Annotated[float | None, Query(ge=-1, le=86400 * 365,
                                               description=KEEP_ALIVE_DOC)] = None,
 ) -> ClassifyResponse:
-    served = await serve_image(request, model, keep_alive, CLASSIFY, top_k)
+    return classification(await serve_image(request, model, keep_alive, CLASSIFY, top_k),
+                          top_k)
+
+
+def classification(served: Served, top_k: int) -> ClassifyResponse:
+    """The answer for one served image's ranking (also each line of the image stream)."""
     assert served.ranked is not None
     top = served.ranked.top(top_k)
     labels = served.model.labels

@@ -68,6 +68,7 @@ from app.memory.diagnostics import IDLE_PERIOD_S, IdleFindings, MemoryDiagnostic
 from app.memory.fit import MemoryFit, fit_linear
 from app.memory.guard import GuardState, MemoryGuard
 from app.memory.probes import CpuProbe, CudaProbe, MemoryReading, Probe, make_probe
+from app.memory.trim import give_back_to_os
 from app.models import LoadedModel, in_catalogue, load_model, resolve_weights
 from app.models.registry import fingerprint
 from app.schemas import MemoryReport, ModelMemory, ProfilePoint
@@ -511,6 +512,7 @@ class InferenceEngine:
                 raise OutOfMemoryAtWarmup() from None
             raise
         probe.empty_cache()
+        give_back_to_os()  # warmup's largest batch would stay resident on the host
         probe.set_baseline()
         reading = probe.read()
         if self._others_at_start is None:
@@ -696,6 +698,7 @@ class InferenceEngine:
         gc.collect()
         if self.probe is not None:
             self.probe.empty_cache()
+        give_back_to_os()
         self._rebudget()
         events = self.events.setdefault(name, ModelEvents())
         events.unloads[reason] = events.unloads.get(reason, 0) + 1
@@ -875,6 +878,7 @@ class InferenceEngine:
     def _release(self, runtime: Runtime) -> tuple[int, int]:
         before = runtime.probe.read().reserved
         runtime.probe.empty_cache()
+        give_back_to_os()  # the host side too: pinned buffers, the CPU's activations
         for each in list(self.runtimes.values()):
             each.guard.relax()
         self._released = True

@@ -11,6 +11,17 @@ that makes no progress for ``read_timeout_s`` gets 408 and its connection is clo
 Requests without a body pass untouched (a GET that waits for its client to hang up must
 not time out).
 
+The no-progress clock runs only while the app waits in ``receive`` for the next chunk,
+so a route that stops reading on purpose is never "stalled" by its own pause; a client
+that sends nothing while the route waits for it is.
+
+An image stream (``STREAM_ROUTES``, many images in one body) is held to
+``max_stream_bytes`` as a whole (the route holds each image to ``max_bytes``), and its
+upload is *paced*: the route gives its bytes back as it drops them (``body_dropped``), so
+it holds only the images it has in progress, and a chunk that would pass a cap waits for
+bytes to be given back (its own images finishing, or others' uploads) instead of failing
+the whole stream at once; after ``read_timeout_s`` of that it is refused like any other.
+
 A refused body is read through and dropped chunk by chunk (never held) before the
 answer, so that the client reads the answer instead of a reset connection; if it
 stalls meanwhile, the answer closes the connection. (One event loop runs this: no lock
@@ -26,7 +37,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import Overloaded, PayloadTooLarge, RequestTimeout
 from app.gates import refuse
-from app.gates.rate_limit import client_key
+from app.gates.rate_limit import STREAM_ROUTES, client_key
 from app.stats import RequestStats
 from app.units import human_bytes
 
@@ -38,6 +49,11 @@ UPLOAD_KEY = "vramguard.upload"  # the request's Upload, in its ASGI scope, for 
 def too_large(limit: int) -> PayloadTooLarge:
     return PayloadTooLarge(f"The upload is larger than the {human_bytes(limit)} limit. "
                            "Send a smaller image.")
+
+
+def stream_too_large(limit: int) -> PayloadTooLarge:
+    return PayloadTooLarge(f"The image stream is larger than the {human_bytes(limit)} limit "
+                           "(max_stream_bytes). Send its images in more than one request.")
 
 
 def too_many_uploads() -> Overloaded:
@@ -73,32 +89,38 @@ def has_body(scope: Scope) -> bool:
 
 
 class BodySizeLimit:
-    """413 for a body over ``max_bytes``; 503 when the bytes received by requests in
-    progress would pass ``max_inflight_bytes``, or ``max_client_bytes`` for one client;
-    408 when a body stalls for ``read_timeout_s``. Its own refusals are counted in
-    ``stats``; those raised while a route reads the body are the app's to answer."""
+    """413 for a body over ``max_bytes`` (``max_stream_bytes`` for an image stream); 503
+    when the bytes received by requests in progress would pass ``max_inflight_bytes``, or
+    ``max_client_bytes`` for one client; 408 when a body stalls for ``read_timeout_s``. Its
+    own refusals are counted in ``stats``; those raised while a route reads the body are
+    the app's to answer."""
 
     def __init__(self, app: ASGIApp, max_bytes: int, max_inflight_bytes: int,
-                 max_client_bytes: int, read_timeout_s: float, stats: RequestStats) -> None:
+                 max_client_bytes: int, read_timeout_s: float, stats: RequestStats,
+                 max_stream_bytes: int | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.max_stream_bytes = max_stream_bytes or max_bytes
         self.max_inflight_bytes = max_inflight_bytes
         self.max_client_bytes = max_client_bytes
         self.read_timeout_s = read_timeout_s
         self.stats = stats
         self.inflight = 0
         self.by_client: dict[str, int] = {}  # only clients holding bytes now
+        self._room: set[asyncio.Future[None]] = set()  # paced uploads waiting to be charged
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not has_body(scope):
             await self.app(scope, receive, send)
             return
         declared = declared_length(scope)
-        upload = Upload(self, client_key(scope), receive, send)
-        if declared > self.max_bytes:
+        paced = scope["path"] in STREAM_ROUTES
+        upload = Upload(self, client_key(scope), receive, send,
+                        self.max_stream_bytes if paced else self.max_bytes, paced)
+        if declared > upload.limit:
             if declared <= DRAIN_FACTOR * self.max_bytes:
                 await upload.drain()
-            await refuse(too_large(self.max_bytes), self.stats, scope, receive, upload.send)
+            await refuse(upload.too_large(), self.stats, scope, receive, upload.send)
             return
         scope[UPLOAD_KEY] = upload
         try:
@@ -118,18 +140,46 @@ class BodySizeLimit:
         upload.charged += size
         return None
 
-    def release(self, upload: Upload) -> None:
-        """Give back what ``upload`` held: its request has ended (answered, failed or
-        cancelled), so nothing holds its bytes any more."""
-        if not upload.charged:
+    async def charge_when_room(self, upload: Upload, size: int) -> Overloaded | None:
+        """Charge a paced upload's chunk, waiting up to ``read_timeout_s`` for bytes to be
+        given back while it does not fit; then say which cap it would pass."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.read_timeout_s
+        while (refusal := self.charge(upload, size)) is not None:
+            left = give_up - loop.time()
+            if left <= 0:
+                return refusal
+            waiter = loop.create_future()
+            self._room.add(waiter)
+            try:
+                await asyncio.wait_for(waiter, left)
+            except TimeoutError:
+                pass
+            finally:
+                self._room.discard(waiter)
+        return None
+
+    def give_back(self, upload: Upload, size: int) -> None:
+        """Stop counting ``size`` of the bytes ``upload`` holds (at most all of them), and
+        wake the paced uploads waiting for room."""
+        size = min(size, upload.charged)
+        if size <= 0:
             return
-        self.inflight -= upload.charged
-        left = self.by_client[upload.client] - upload.charged
+        self.inflight -= size
+        left = self.by_client[upload.client] - size
         if left:
             self.by_client[upload.client] = left
         else:
             del self.by_client[upload.client]
-        upload.charged = 0
+        upload.charged -= size
+        for waiter in self._room:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def release(self, upload: Upload) -> None:
+        """Give back what ``upload`` held: its request has ended (answered, failed or
+        cancelled), so nothing holds its bytes any more."""
+        self.give_back(upload, upload.charged)
 
 
 def body_done(scope: Scope) -> None:
@@ -141,13 +191,26 @@ def body_done(scope: Scope) -> None:
         upload.gate.release(upload)
 
 
-class Upload:
-    """One request's body as it arrives: each chunk charged to the totals, each wait for
-    the next chunk timed, and ``Connection: close`` on the answer if the body stalled."""
+def body_dropped(scope: Scope, size: int) -> None:
+    """A route that reads its body piece by piece (the image stream) has dropped ``size``
+    bytes of it (multipart framing once parsed, an image once decoded): give them back now,
+    so that a long stream holds only what it has in progress."""
+    upload = scope.get(UPLOAD_KEY)
+    if isinstance(upload, Upload):
+        upload.gate.give_back(upload, size)
 
-    def __init__(self, gate: BodySizeLimit, client: str, receive: Receive, send: Send) -> None:
+
+class Upload:
+    """One request's body as it arrives: each chunk charged to the totals (``paced``: when
+    there is room), each wait for the next chunk timed, the whole held to ``limit``, and
+    ``Connection: close`` on the answer if the body stalled."""
+
+    def __init__(self, gate: BodySizeLimit, client: str, receive: Receive, send: Send,
+                 limit: int, paced: bool = False) -> None:
         self.gate = gate
         self.client = client
+        self.limit = limit
+        self.paced = paced
         self._receive = receive
         self._send = send
         self.received = 0  # body bytes so far, kept or dropped
@@ -175,14 +238,20 @@ class Upload:
     async def receive(self) -> Message:
         """What the app reads: the body, cut off past the size limit, refused past a cap."""
         message = await self._next()
-        if self.received > self.gate.max_bytes:
-            raise too_large(self.gate.max_bytes)
+        if self.received > self.limit:
+            raise self.too_large()
         size = len(message.get("body", b""))
-        refusal = self.gate.charge(self, size) if size else None
+        refusal = None
+        if size:
+            refusal = (await self.gate.charge_when_room(self, size) if self.paced
+                       else self.gate.charge(self, size))
         if refusal is not None:
             await self.drain()
             raise refusal
         return message
+
+    def too_large(self) -> PayloadTooLarge:
+        return stream_too_large(self.limit) if self.paced else too_large(self.limit)
 
     async def drain(self) -> None:
         """Read the rest of the body and drop it, up to DRAIN_FACTOR times the size limit;

@@ -1,0 +1,489 @@
+"""`vramguard classify PATH...`: tag image files and folders through the appliance.
+
+It finds the running appliance the way every client does (``vramguard_client``'s
+discovery) and, when none answers, starts one for the run and stops it at the end. The
+images go in ``POST /v1/classify/stream`` requests (up to ``STREAM_FILES`` files or
+``STREAM_BYTES`` each): the server reads each file only when it has room for it, so
+nothing needs tuning here, and every image costs one request's work instead of a
+connection, gates and admission each. The stream is sent and read at once over one
+HTTP/1.1 connection (h11): httpx, like most clients, reads an answer only after sending
+the whole body, which would show no result before the last file is uploaded.
+(``Client.classify_many`` would have worked too, one request per image at a fixed
+concurrency; the stream measured faster, see docs/benchmarks.md.)
+
+Results go to stdout as they arrive (a line, a JSON object or a CSV row per image), a
+progress bar to stderr. Answers the server says are worth another try (busy, rate
+limited, still starting) are sent again in a later stream, after the wait it asked for.
+Files that cannot be read are reported on stderr and skipped; Ctrl-C stops at once
+(the server withdraws what it had queued) and prints what was done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import csv
+import io
+import json
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+from urllib.parse import urlencode, urlsplit
+
+import h11
+import httpx
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    Task,
+    TextColumn,
+    TimeRemainingColumn,
+)
+from rich.text import Text
+from vramguard_client import (
+    DeadlineExceeded,
+    InsufficientMemory,
+    NotReady,
+    Overloaded,
+    RateLimited,
+    find_server,
+)
+
+from app import __version__
+
+IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif",
+                            ".tiff", ".jfif"})
+RETRIED = frozenset(c.code for c in (RateLimited, Overloaded, DeadlineExceeded, NotReady,
+                                     InsufficientMemory)) | {"connection_lost"}
+"""What the client package retries; here the images are sent again in a later stream."""
+ROUNDS = 4  # the first stream and three more for the images worth another try
+STREAM_FILES = 1000  # files per stream request (and below, bytes): well under the
+STREAM_BYTES = 512 * 1024**2  # server's max_stream_bytes (2 GiB by default)
+READY_TIMEOUT_S = 600  # a first start on Windows can take minutes (README)
+CLIENT_ID = "vramguard-classify"  # its own rate bucket: other local apps keep theirs
+INTERRUPTED = 130  # the shell's status for a program ended by Ctrl-C
+
+
+@dataclass
+class Tally:
+    """What happened so far (kept outside the event loop: Ctrl-C ends that first)."""
+
+    total: int
+    ok: int = 0
+    failed: int = 0
+    skipped: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def done(self) -> int:
+        return self.ok + self.failed + self.skipped
+
+    def summary(self, stopped: bool) -> str:
+        took = time.monotonic() - self.started
+        rate = (self.ok + self.failed) / took if took > 0 else 0.0
+        head = (f"Stopped after {self.done} of {self.total} images" if stopped
+                else f"Done: {self.total} images")
+        return (f"{head}: {self.ok} tagged, {self.failed} failed, {self.skipped} skipped, "
+                f"in {took:.1f} s ({rate:.1f} images/s).")
+
+
+class Output:
+    """One result per image in the chosen format, written as it comes."""
+
+    def __init__(self, kind: str, top_k: int, embed: bool,
+                 write: Callable[[str], None]) -> None:
+        self.kind, self.top_k, self.embed, self._write = kind, top_k, embed, write
+        if kind == "csv":
+            header = ["path", "model"]
+            for rank in range(1, top_k + 1):
+                header += [f"label_{rank}", f"score_{rank}"]
+            header += ["error"] + (["embedding"] if embed else [])
+            self._row(header)
+
+    def _row(self, cells: Sequence[object]) -> None:
+        out = io.StringIO()
+        csv.writer(out, lineterminator="").writerow(cells)
+        self._write(out.getvalue())
+
+    def result(self, path: Path, answer: dict[str, Any]) -> None:
+        predictions = answer["predictions"]
+        if self.kind == "json":
+            record = {"path": str(path), "model": answer["model"],
+                      "predictions": predictions, "cached": answer["cached"]}
+            if "embedding" in answer:
+                record["embedding"] = answer["embedding"]
+            self._write(json.dumps(record))
+        elif self.kind == "csv":
+            cells: list[object] = [path, answer["model"]]
+            for rank in range(self.top_k):
+                found = predictions[rank] if rank < len(predictions) else None
+                cells += [found["label"], f"{found['score']:.6f}"] if found else ["", ""]
+            cells.append("")
+            if self.embed:
+                cells.append(" ".join(str(v) for v in answer.get("embedding", [])))
+            self._row(cells)
+        else:
+            labels = ", ".join(f"{p['label']} {p['score']:.1%}" for p in predictions)
+            features = f" ({answer['dimensions']} features)" if "dimensions" in answer else ""
+            self._write(f"{path}: {labels}{features}")
+
+    def failure(self, path: Path, error: dict[str, Any]) -> None:
+        text = f"{error['code']}: {error['message']}"
+        if self.kind == "json":
+            self._write(json.dumps({"path": str(path), "error": {
+                "code": error["code"], "message": error["message"]}}))
+        elif self.kind == "csv":
+            self._row([path, "", *([""] * (2 * self.top_k)), text,
+                       *([""] if self.embed else [])])
+        else:
+            self._write(f"{path}: FAILED {text}")
+
+
+def find_images(names: Sequence[str], recursive: bool,
+                warn: Callable[[str], None]) -> tuple[list[Path], int]:
+    """The files to tag: those named, and the images in the folders named (their
+    subfolders' too with ``recursive``); how many names were skipped (reported)."""
+    found: list[Path] = []
+    skipped = 0
+    for name in names:
+        path = Path(name)
+        if path.is_dir():
+            try:
+                entries = list(path.rglob("*") if recursive else path.iterdir())
+            except OSError as exc:
+                warn(f"skipped {path}: {exc.strerror or exc}.")
+                skipped += 1
+                continue
+            found += sorted(p for p in entries if p.suffix.lower() in IMAGE_SUFFIXES
+                            and p.is_file())
+            if not recursive and any(p.is_dir() for p in entries):
+                warn(f"{path} has subfolders; add --recursive to tag their images too.")
+        elif path.exists():
+            found.append(path)
+        else:
+            warn(f"skipped {path}: no such file or folder.")
+            skipped += 1
+    return found, skipped
+
+
+def batches(paths: Sequence[Path]) -> Iterator[list[Path]]:
+    """The files in streams of at most STREAM_FILES files and about STREAM_BYTES."""
+    batch: list[Path] = []
+    size = 0
+    for path in paths:
+        with contextlib.suppress(OSError):  # unreadable: reported when it is sent
+            size += path.stat().st_size
+        batch.append(path)
+        if len(batch) >= STREAM_FILES or size >= STREAM_BYTES:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+class Fatal(Exception):
+    """Nothing more can be tagged (no server, an unknown model): the message says why."""
+
+    def __init__(self, message: str, status: int = 1) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Round:
+    """What one stream left to do: the images to send again, and how long to wait."""
+
+    again: list[Path] = field(default_factory=list)
+    wait_s: float = 0.0
+
+    def retry(self, paths: Sequence[Path], wait_s: float | None) -> None:
+        self.again += paths
+        self.wait_s = max(self.wait_s, wait_s or 1.0)
+
+
+class Streamer:
+    """Sends files as one image stream and reads its answer while it sends."""
+
+    def __init__(self, url: str, query: dict[str, Any], on_result: Callable[[Path, dict[str,
+                 Any]], None], on_failure: Callable[[Path, dict[str, Any]], None],
+                 on_skip: Callable[[Path, OSError], None]) -> None:
+        self.url = urlsplit(url)
+        self.target = "/v1/classify/stream?" + urlencode(query)
+        self.on_result, self.on_failure, self.on_skip = on_result, on_failure, on_skip
+
+    async def send(self, paths: Sequence[Path], last_try: bool) -> Round:
+        """One stream of ``paths``: each answer reported as it comes (unless worth another
+        try and this is not the ``last_try``), the rest left for the next round."""
+        outcome = Round()
+        try:
+            reader, writer = await asyncio.open_connection(self.url.hostname, self.url.port)
+        except OSError as exc:
+            raise Fatal(f"cannot reach vramguard at {self.url.geturl()}: {exc}") from None
+        conn = h11.Connection(h11.CLIENT)
+        sent: list[Path] = []
+        reached = [0]  # paths looked at by the sender (sent or skipped)
+        boundary = secrets.token_hex(16)
+        writer.write(conn.send(h11.Request(method="POST", target=self.target, headers=[
+            ("Host", self.url.netloc), ("User-Agent", f"vramguard-classify/{__version__}"),
+            ("X-Client-Id", CLIENT_ID), ("Accept", "application/x-ndjson"),
+            ("Content-Type", f"multipart/form-data; boundary={boundary}"),
+            ("Transfer-Encoding", "chunked")])) or b"")
+        sender = asyncio.ensure_future(self._parts(conn, writer, boundary, paths, sent,
+                                                   reached))
+        answered: set[int] = set()
+        stream_error: dict[str, Any] | None = None
+        try:
+            async for line in self._lines(conn, reader):
+                if "index" in line:
+                    index = int(line["index"])
+                    answered.add(index)
+                    self._answer(sent[index], line, outcome, last_try)
+                elif "error" in line:
+                    stream_error = line["error"]
+        except (OSError, h11.ProtocolError) as exc:
+            stream_error = {"code": "connection_lost", "message": f"the connection broke: {exc}"}
+        except ValueError as exc:  # not JSON lines: not vramguard's answer
+            stream_error = {"code": "unexpected_response", "message": str(exc)}
+        finally:
+            sender.cancel()
+            await asyncio.gather(sender, return_exceptions=True)
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+        left = [p for i, p in enumerate(sent) if i not in answered] + list(paths[reached[0]:])
+        if left:
+            error = stream_error or {"code": "connection_lost",
+                                     "message": "the stream ended before these images"}
+            for path in left:
+                self._answer(path, {"error": error}, outcome, last_try)
+        return outcome
+
+    def _answer(self, path: Path, line: dict[str, Any], outcome: Round, last_try: bool) -> None:
+        if "result" in line:
+            self.on_result(path, line["result"])
+        elif line["error"]["code"] in RETRIED and not last_try:
+            outcome.retry([path], line["error"].get("retry_after"))
+        else:
+            self.on_failure(path, line["error"])
+
+    async def _parts(self, conn: h11.Connection, writer: asyncio.StreamWriter, boundary: str,
+                     paths: Sequence[Path], sent: list[Path], reached: list[int]) -> None:
+        """Write each file as a part, read just before it is sent (the server's pace
+        decides when: ``drain`` waits while it has no room)."""
+        for path in paths:
+            try:
+                data = await asyncio.to_thread(path.read_bytes)
+            except OSError as exc:
+                self.on_skip(path, exc)
+                reached[0] += 1
+                continue
+            name = path.name.replace('"', "%22").replace("\r", "%0D").replace("\n", "%0A")
+            head = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; "
+                    f"filename=\"{name}\"\r\nContent-Type: application/octet-stream\r\n\r\n")
+            sent.append(path)
+            reached[0] += 1
+            writer.write(conn.send(h11.Data(data=head.encode() + data + b"\r\n")) or b"")
+            await writer.drain()
+        writer.write(conn.send(h11.Data(data=f"--{boundary}--\r\n".encode())) or b"")
+        writer.write(conn.send(h11.EndOfMessage()) or b"")
+        await writer.drain()
+
+    async def _lines(self, conn: h11.Connection, reader: asyncio.StreamReader,
+                     ) -> AsyncIterator[dict[str, Any]]:
+        """The answer's JSON lines; for an answer that is not a stream, Fatal, or an error
+        line that has its images sent again."""
+        status, pending, body = 0, b"", b""
+        retry_after: bytes | None = None
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                conn.receive_data(await reader.read(65536))
+            elif isinstance(event, h11.Response):
+                status = event.status_code
+                retry_after = dict(event.headers).get(b"retry-after")
+            elif isinstance(event, h11.Data) and status == 200:
+                pending += event.data
+                *complete, pending = pending.split(b"\n")
+                for text in complete:
+                    if text.strip():
+                        yield json.loads(text)
+            elif isinstance(event, h11.Data):
+                body += event.data
+            elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
+                break
+        if status != 200:
+            try:
+                error = json.loads(body)["error"]
+            except (ValueError, KeyError, TypeError):
+                error = {"code": "unexpected_response",
+                         "message": f"HTTP {status}: {body[:200]!r}"}
+            if error.get("code") not in RETRIED:
+                raise Fatal(f"vramguard refused the images: {error.get('message')}",
+                            status=2 if status in (400, 404) else 1)
+            yield {"error": {**error, "retry_after": float(retry_after or 1)}}
+
+
+class TemporaryServer:
+    """A vramguard started for this run (on a free port) and stopped at its end."""
+
+    def __init__(self, model: str | None) -> None:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = int(probe.getsockname()[1])
+        self.url = f"http://127.0.0.1:{self.port}"
+        frozen = getattr(sys, "frozen", False)  # the bundle's executable is the command
+        command = [sys.executable, *([] if frozen else ["-m", "app"]), "serve",
+                   "--port", str(self.port), *(["--model", model] if model else [])]
+        # Its output, for when it fails to start; closed in stop(), as long as it runs.
+        self.log: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115
+        # Its own process group (Windows) or session: the terminal's Ctrl-C is ours to
+        # handle; we stop it.
+        self.process = subprocess.Popen(
+            command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+            creationflags=getattr(subprocess, "CREATE_NEW_PROCESS_GROUP", 0))
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise Fatal(f"the vramguard started for this run stopped:\n{self.tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
+                    return
+            time.sleep(0.5)
+        raise Fatal(f"the vramguard started for this run was not ready in "
+                    f"{READY_TIMEOUT_S} s:\n{self.tail()}")
+
+    def tail(self) -> str:
+        self.log.seek(0)
+        return "\n".join(self.log.read().decode("utf-8", "replace").splitlines()[-15:])
+
+    def stop(self) -> None:
+        """Ask it to finish (SIGTERM, Ctrl+Break on Windows); end it if it does not."""
+        if self.process.poll() is None:
+            if sys.platform == "win32":
+                self.process.send_signal(signal.CTRL_BREAK_EVENT)
+            else:
+                self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+
+
+def _answers(url: str) -> bool:
+    try:
+        httpx.get(f"{url}/healthz", timeout=3)
+    except httpx.HTTPError:
+        return False
+    return True
+
+
+class ImagesPerSecond(ProgressColumn):
+    def render(self, task: Task) -> Text:
+        speed = task.finished_speed or task.speed
+        return Text(f"{speed:.1f} images/s" if speed else "- images/s")
+
+
+def run_classify(args: argparse.Namespace) -> int:
+    """The command: the status it exits with (see ``app.cli``)."""
+    console = Console(stderr=True, highlight=False)
+
+    def warn(text: str) -> None:
+        console.print(f"vramguard classify: {text}", markup=False, soft_wrap=True)
+
+    paths, missing = find_images(args.paths, args.recursive, warn)
+    tally = Tally(total=len(paths) + missing, skipped=missing)
+    server: TemporaryServer | None = None
+    status = 0
+    progress = Progress(TextColumn("tagging"), BarColumn(), MofNCompleteColumn(),
+                        ImagesPerSecond(), TimeRemainingColumn(),
+                        TextColumn("{task.fields[failed]} failed"), console=console,
+                        redirect_stdout=False, redirect_stderr=False,
+                        disable=not console.is_terminal)
+    try:
+        url = args.url or find_server().url
+        if not paths:
+            warn("no images to tag.")
+        elif not args.url and not _answers(url):
+            warn("no vramguard is running; starting one for this run (it stops at the end; "
+                 "a first start can take a minute).")
+            server = TemporaryServer(args.model)
+            server.wait_ready()
+            url = server.url
+            warn(f"started at {url}.")
+        if paths:
+            tally.started = time.monotonic()  # images/s: not counting a server's start
+            with progress:
+                asyncio.run(_tag(args, url, paths, tally, progress, console, warn))
+    except KeyboardInterrupt:
+        console.print(tally.summary(stopped=True), markup=False, soft_wrap=True)
+        return INTERRUPTED
+    except Fatal as exc:
+        warn(str(exc))
+        status = exc.status
+    finally:
+        if server is not None:
+            server.stop()
+    if status:
+        return status
+    console.print(tally.summary(stopped=False), markup=False, soft_wrap=True)
+    return 1 if args.strict and (tally.failed or tally.skipped) else 0
+
+
+async def _tag(args: argparse.Namespace, url: str, paths: list[Path], tally: Tally,
+               progress: Progress, console: Console, warn: Callable[[str], None]) -> None:
+    """Every image through streams, answers out as they come, retries in later rounds."""
+    task = progress.add_task("tagging", total=tally.total, completed=tally.skipped, failed=0)
+    to_terminal = sys.stdout.isatty() and console.is_terminal and not progress.disable
+
+    def write(text: str) -> None:
+        if to_terminal:  # above the bar (it shares the terminal)
+            progress.console.print(text, markup=False, soft_wrap=True)
+        else:
+            sys.stdout.write(text + "\n")
+            sys.stdout.flush()
+
+    output = Output("json" if args.json else "csv" if args.csv else "text", args.top_k,
+                    args.embed, write)
+
+    def result(path: Path, answer: dict[str, Any]) -> None:
+        tally.ok += 1
+        output.result(path, answer)
+        progress.advance(task)
+
+    def failure(path: Path, error: dict[str, Any]) -> None:
+        tally.failed += 1
+        output.failure(path, error)
+        progress.update(task, advance=1, failed=tally.failed)
+
+    def skip(path: Path, exc: OSError) -> None:
+        tally.skipped += 1
+        warn(f"skipped {path}: {exc.strerror or exc}.")
+        progress.advance(task)
+
+    query = {"top_k": args.top_k, **({"model": args.model} if args.model else {}),
+             **({"embed": "true"} if args.embed else {})}
+    streamer = Streamer(url, query, result, failure, skip)
+    for batch in batches(paths):
+        todo = batch
+        for attempt in range(ROUNDS):
+            outcome = await streamer.send(todo, last_try=attempt == ROUNDS - 1)
+            if not outcome.again:
+                break
+            todo = outcome.again
+            await asyncio.sleep(min(outcome.wait_s, 30.0))

@@ -1,0 +1,209 @@
+"""`vramguard classify`: one record per image file (JSON lines, CSV, text), broken files
+failed and reported, missing paths reported and skipped, the exit status, Ctrl-C; against
+the real app (stand-in engine) served by uvicorn in a thread. Slow: with no server
+running, it starts one for the run and stops it."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import uvicorn
+from asgi import ReadyEngine, built_app, state_of
+from images import encode, photo
+from PIL import Image
+
+from app.cli import main
+from app.errors import Overloaded
+from bench.process import ROOT, free_port, server_env
+
+
+def noisy_jpeg(seed: int) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    return encode(Image.fromarray(pixels), "JPEG")
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> dict[str, Path]:
+    """Images in a folder and a subfolder, two broken ones, and a file that is no image."""
+    root = tmp_path / "photos"
+    (root / "trip").mkdir(parents=True)
+    files = {"a": root / "a.jpg", "b": root / "trip" / "b.PNG", "c": root / "c.webp",
+             "noise": root / "noise.jpg", "cut": root / "trip" / "cut.jpg"}
+    files["a"].write_bytes(noisy_jpeg(1))
+    files["b"].write_bytes(encode(Image.new("RGB", (30, 20), (9, 99, 199)), "PNG"))
+    files["c"].write_bytes(encode(Image.new("RGB", (16, 16), (200, 0, 0)), "WEBP"))
+    files["noise"].write_bytes(np.random.default_rng(2).bytes(4000))
+    files["cut"].write_bytes(photo()[:3000])
+    (root / "notes.txt").write_text("not an image")
+    return files
+
+
+@contextmanager
+def serving(tmp_path: Path, engine: type[ReadyEngine] = ReadyEngine) -> Iterator[str]:
+    """The real app with a stand-in engine, on a free port, until the block ends."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    with built_app(tmp_path, ready=True, port=port) as app:
+        state_of(app).engine = engine(state_of(app).settings)
+        server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning"))
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]})
+        thread.start()
+        try:
+            while not server.started:
+                time.sleep(0.01)
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            server.should_exit = True
+            thread.join(10)
+            listener.close()
+
+
+def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    status = main(["classify", *args])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_json_has_one_record_per_image_and_strict_sets_the_status(
+        tmp_path: Path, tree: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    folder = str(tree["a"].parent)
+    with serving(tmp_path) as url:
+        status, out, err = run(capsys, folder, "-r", "--json", "--top-k", "2", "--url", url)
+        strict, _, _ = run(capsys, folder, "-r", "--json", "--strict", "--url", url)
+    records = {record["path"]: record for record in map(json.loads, out.splitlines())}
+    assert set(records) == {str(path) for path in tree.values()}  # not notes.txt
+    for name in ("a", "b", "c"):
+        record = records[str(tree[name])]
+        assert len(record["predictions"]) == 2 and record["model"] and "error" not in record
+    for name in ("noise", "cut"):
+        assert records[str(tree[name])]["error"]["code"] == "bad_image"
+    assert status == 0 and strict == 1
+    assert "3 tagged, 2 failed, 0 skipped" in err
+
+
+def test_csv_has_a_header_and_a_row_per_image(
+        tmp_path: Path, tree: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    with serving(tmp_path) as url:
+        status, out, _ = run(capsys, str(tree["a"].parent), "--csv", "--top-k", "3",
+                             "--url", url)
+    rows = list(csv.reader(io.StringIO(out)))
+    assert rows[0] == ["path", "model", "label_1", "score_1", "label_2", "score_2",
+                       "label_3", "score_3", "error"]
+    by_path = {row[0]: row for row in rows[1:]}
+    # Without --recursive the subfolder's images are left out (and the user told so).
+    assert set(by_path) == {str(tree[name]) for name in ("a", "c", "noise")}
+    assert by_path[str(tree["a"])][2] and float(by_path[str(tree["a"])][3]) > 0
+    assert by_path[str(tree["noise"])][8].startswith("bad_image: ")
+    assert status == 0
+
+
+def test_a_missing_path_is_reported_and_skipped(
+        tmp_path: Path, tree: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "gone.jpg"
+    with serving(tmp_path) as url:
+        status, out, err = run(capsys, str(tree["a"]), str(missing), "--url", url)
+        strict, _, _ = run(capsys, str(tree["a"]), str(missing), "--strict", "--url", url)
+    assert out.startswith(f"{tree['a']}: class-9 ")  # the stand-in's best class
+    assert len(out.splitlines()) == 1
+    assert f"skipped {missing}: no such file or folder" in err
+    assert "1 tagged, 0 failed, 1 skipped" in err
+    assert (status, strict) == (0, 1)
+
+
+def test_usage_errors_exit_with_2(capsys: pytest.CaptureFixture[str]) -> None:
+    for args in (["--json", "--csv", "x"], ["--top-k", "0", "x"], []):
+        with pytest.raises(SystemExit) as exited:
+            main(["classify", *args])
+        assert exited.value.code == 2
+    capsys.readouterr()
+
+
+class BusyAtFirst(ReadyEngine):
+    """Says "overloaded" to its first two images."""
+
+    refusals = 2
+
+    async def classify(self, *args: Any, **kwargs: Any) -> Any:
+        if self.refusals:
+            self.refusals -= 1
+            raise Overloaded("busy", retry_after=0.1)
+        return await super().classify(*args, **kwargs)
+
+
+def test_answers_worth_another_try_are_sent_again(
+        tmp_path: Path, tree: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    images = [str(tree[name]) for name in ("a", "b", "c")]
+    with serving(tmp_path, BusyAtFirst) as url:
+        status, out, err = run(capsys, *images, "--json", "--strict", "--url", url)
+    assert sorted(json.loads(line)["path"] for line in out.splitlines()) == sorted(images)
+    assert all("predictions" in json.loads(line) for line in out.splitlines())
+    assert status == 0 and "3 tagged, 0 failed" in err
+
+
+class SlowEngine(ReadyEngine):
+    async def classify(self, *args: Any, **kwargs: Any) -> Any:
+        import asyncio
+
+        await asyncio.sleep(0.2)
+        return await super().classify(*args, **kwargs)
+
+
+def test_ctrl_c_stops_with_a_summary(tmp_path: Path) -> None:
+    """Ctrl-C part way: status 130, a summary of what was done, and the server is left
+    with nothing in progress."""
+    folder = tmp_path / "many"
+    folder.mkdir()
+    for i in range(60):
+        (folder / f"{i:02}.jpg").write_bytes(noisy_jpeg(i))
+    with serving(tmp_path, SlowEngine) as url:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "app", "classify", str(folder), "--json", "--url", url],
+            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "clients" / "python")},
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert process.stdout is not None
+        first = process.stdout.readline()  # the first answer: it is under way
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=30)
+        stats = httpx.get(f"{url}/v1/stats").json()
+    assert json.loads(first)["path"].startswith(str(folder))
+    assert process.returncode == 130
+    done = 1 + len(out.splitlines())
+    assert re.search(rf"Stopped after {done} of 60 images: {done} tagged", err.decode()), err
+    assert stats["queue_depth"] == 0 and stats["in_flight"] == 0
+
+
+@pytest.mark.slow
+def test_starts_a_server_for_the_run_when_none_answers(
+        tmp_path: Path, tree: dict[str, Path]) -> None:
+    port = free_port()  # where discovery looks: nothing listens there
+    done = subprocess.run(
+        [sys.executable, "-m", "app", "classify", str(tree["a"]), "--json"], cwd=ROOT,
+        env={**server_env(VRAMGUARD_PORT=str(port)),
+             "PYTHONPATH": str(ROOT / "clients" / "python"),
+             **{k: v for k, v in os.environ.items() if k.startswith(("HOME", "XDG_"))}},
+        capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "no vramguard is running; starting one for this run" in done.stderr
+    started = re.search(r"started at (http://127\.0\.0\.1:(\d+))", done.stderr)
+    assert started is not None
+    assert json.loads(done.stdout)["predictions"]
+    with pytest.raises(httpx.ConnectError):  # stopped at the end
+        httpx.get(f"{started.group(1)}/healthz", timeout=2)
