@@ -91,8 +91,9 @@ def _add_classify(commands: Any) -> None:
         description="Tag image files and folders: one result per image on stdout as it "
         "arrives, progress on stderr. Folders give their image files (jpg, png, webp, bmp, "
         "gif, tif); named files are sent whatever their name. Exit status: 0, or 1 with "
-        "--strict when an image failed or could not be read; 2 for a usage error; 130 "
-        "after Ctrl-C.")
+        "--strict when an image failed or could not be read; 1 when no vramguard could be "
+        "reached or started; 2 for a usage error (an unknown model too); 130 after "
+        "Ctrl-C.")
     parser.add_argument("paths", nargs="+", metavar="PATH", help="Image files and folders.")
     parser.add_argument("-r", "--recursive", action="store_true",
                         help="Also tag the images in the folders' subfolders.")

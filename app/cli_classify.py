@@ -3,13 +3,14 @@
 It finds the running appliance the way every client does (``vramguard_client``'s
 discovery) and, when none answers, starts one for the run and stops it at the end. The
 images go in ``POST /v1/classify/stream`` requests (up to ``STREAM_FILES`` files or
-``STREAM_BYTES`` each): the server reads each file only when it has room for it, so
-nothing needs tuning here, and every image costs one request's work instead of a
-connection, gates and admission each. The stream is sent and read at once over one
-HTTP/1.1 connection (h11): httpx, like most clients, reads an answer only after sending
-the whole body, which would show no result before the last file is uploaded.
-(``Client.classify_many`` would have worked too, one request per image at a fixed
-concurrency; the stream measured faster, see docs/benchmarks.md.)
+``STREAM_BYTES`` each) rather than ``Client.classify_many``'s one request per image at a
+fixed concurrency: the server reads each file only when it has room for it, so nothing
+needs tuning here and nothing is refused for a full queue; one ``--embed`` forward pass
+gives both answers; and an image costs less CPU in the server's event loop and here
+(docs/benchmarks.md; its wall-clock gain on the loaded 2-core test machine was not
+consistent). The stream is sent and read at once over one HTTP/1.1 connection (h11):
+httpx, like most clients, reads an answer only after sending the whole body, which would
+show no result before the last file is uploaded.
 
 Results go to stdout as they arrive (a line, a JSON object or a CSV row per image), a
 progress bar to stderr. Answers the server says are worth another try (busy, rate

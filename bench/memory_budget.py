@@ -1,7 +1,7 @@
 """Where the memory goes: vramguard vs. the naive server, whole process trees, by PSS.
 
-    python -m bench.memory_budget [--seconds 20] [--concurrency 32] [--idle-release-s 3]
-        [--env NAME=VALUE ...] [--tree PATH] [--servers vramguard naive]
+    python -m bench.memory_budget [--seconds 20] [--concurrency 32] [--idle-release-s 5]
+        [--env NAME=VALUE ...] [--tree PATH] [--servers naive vramguard] [--profile-dir P]
 
 Each server runs alone (never side by side: the pages of torch's libraries they share
 would be split between them and make both look smaller), on 127.0.0.1, and goes through:
@@ -263,10 +263,13 @@ def _wait_for_idle_release(base: str, limit_s: float) -> float | None:
 
 
 def _warmup(base: str) -> str:
-    """The batch sizes vramguard's warmup ran (the largest leaves the most behind)."""
+    """The batch sizes vramguard's warmup ran (the largest leaves the most behind), and
+    whether it ran them at all (a later start may reuse a stored profile)."""
     model = httpx.get(f"{base}/v1/models", timeout=10).json()["models"][0]
-    sizes = [t["batch_size"] for t in model["warmup"]]
-    return f"warmup ran batches {sizes}, chose {model['max_batch_size']}"
+    sizes = [t["batch_size"] for t in model.get("warmup", [])]
+    reused = {True: ", profile reused", False: ", profile measured"}.get(
+        model.get("profile_reused"), "")
+    return f"warmup batches {sizes}, batch size {model.get('max_batch_size')}{reused}"
 
 
 def measure(name: str, command: list[str], base: str, env: dict[str, str], cwd: Path,
@@ -313,7 +316,7 @@ def report(measurements: list[Measurement], args: argparse.Namespace) -> str:
                          f"{_mib(total.rss)} | {_mib(total.pss)} | {_mib(total.uss)} | "
                          f"{_mib(anon)} | {_mib(alone)} | {_mib(tree.main.pss)} | "
                          + (" + ".join(_mib(c.pss) for c in tree.children) or "-") + " |")
-    lines += ["", "main process by mapping (RSS MiB): heap / thread arenas (count) / other "
+    lines += ["", "main process by mapping (RSS MiB): heap / thread arena heaps (count) / other "
               "anon / files; threads", ""]
     for m in measurements:
         for phase, a in (("ready", m.ready.anatomy), ("after load", m.loaded.anatomy),
@@ -362,6 +365,9 @@ def main() -> int:
                         help="the source tree both servers run from (a scratch worktree)")
     parser.add_argument("--servers", nargs="+", default=["naive", "vramguard"],
                         choices=["naive", "vramguard"])
+    parser.add_argument("--profile-dir", type=Path,
+                        help="vramguard's stored warmup profiles (default: a new folder, so "
+                        "warmup measures as at a first start; reuse one for a later start)")
     parser.add_argument("--out", type=Path, help="also write the report to this file")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="vramguard-memory-"))
@@ -381,7 +387,9 @@ def main() -> int:
                              VRAMGUARD_RATE_LIMIT="0",
                              VRAMGUARD_CACHE_DIR=str(work / "cache"),
                              VRAMGUARD_TOKEN_FILE=str(work / "admin-token"),
-                             VRAMGUARD_LOG_DIR=str(work / "logs"), **extra)
+                             VRAMGUARD_LOG_DIR=str(work / "logs"),
+                             VRAMGUARD_PROFILE_DIR=str(args.profile_dir or work / "profiles"),
+                             **extra)
             measurements.append(measure(name, command, base, env, args.tree, work, args,
                                         releases=True))
         print(f"  {name} done", flush=True)

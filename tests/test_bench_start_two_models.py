@@ -5,7 +5,9 @@ bookkeeping reads logs and memory and pools results the way the reports say."""
 
 from __future__ import annotations
 
-import os
+import subprocess
+import sys
+import time
 from collections import Counter
 from datetime import datetime
 from pathlib import Path
@@ -30,11 +32,19 @@ def test_log_marks_are_offsets_from_the_launch(tmp_path: Path) -> None:
     assert abs(marks["model ready"] - 11.201) < 1e-3  # the first "ready" line counts
 
 
-def test_memory_of_this_process() -> None:
-    reading = tree_memory([os.getpid()])
-    assert 0 < reading.uss <= reading.rss
-    assert 0 < reading.pss <= reading.rss
-    assert _peak_rss([os.getpid()]) >= reading.rss // 2
+def test_memory_of_a_process_without_children() -> None:
+    """A lone process, so that the tree's figures and its own peak describe the same
+    memory (this test process may have servers as children)."""
+    lone = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        time.sleep(0.5)
+        reading = tree_memory([lone.pid])
+        assert 0 < reading.uss <= reading.rss
+        assert 0 < reading.pss <= reading.rss
+        assert _peak_rss([lone.pid]) >= reading.rss // 2
+    finally:
+        lone.kill()
+        lone.wait()
 
 
 def test_pooled_rounds_add_throughput_over_models_and_keep_memory_peaks() -> None:

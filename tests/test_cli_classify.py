@@ -128,12 +128,17 @@ def test_a_missing_path_is_reported_and_skipped(
     assert (status, strict) == (0, 1)
 
 
-def test_usage_errors_exit_with_2(capsys: pytest.CaptureFixture[str]) -> None:
+def test_usage_errors_exit_with_2(tmp_path: Path, tree: dict[str, Path],
+                                  capsys: pytest.CaptureFixture[str]) -> None:
     for args in (["--json", "--csv", "x"], ["--top-k", "0", "x"], []):
         with pytest.raises(SystemExit) as exited:
             main(["classify", *args])
         assert exited.value.code == 2
-    capsys.readouterr()
+    with serving(tmp_path) as url:
+        status, out, err = run(capsys, str(tree["a"]), "--model", "no-such-model",
+                               "--url", url)
+    assert status == 2 and not out
+    assert "There is no model called 'no-such-model'" in err
 
 
 class BusyAtFirst(ReadyEngine):

@@ -638,7 +638,7 @@ class InferenceEngine:
                 continue
             key = self._profile_key(name, version)
             stored = self.profiles.get(key)
-            if stored is not None and not stored.out_of_memory_on_load:
+            if stored is not None:
                 stored.out_of_memory_on_load = True
                 self.profiles.put(stored)
 
