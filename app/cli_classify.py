@@ -462,14 +462,16 @@ async def _tag(args: argparse.Namespace, url: str, paths: list[Path], tally: Tal
     output = Output("json" if args.json else "csv" if args.csv else "text", args.top_k,
                     args.embed, write)
 
+    # Written, then counted: a Ctrl-C between the two must not count an image whose
+    # result never reached the output.
     def result(path: Path, answer: dict[str, Any]) -> None:
-        tally.ok += 1
         output.result(path, answer)
+        tally.ok += 1
         progress.advance(task)
 
     def failure(path: Path, error: dict[str, Any]) -> None:
-        tally.failed += 1
         output.failure(path, error)
+        tally.failed += 1
         progress.update(task, advance=1, failed=tally.failed)
 
     def skip(path: Path, exc: OSError) -> None:

@@ -186,7 +186,10 @@ def test_ctrl_c_stops_with_a_summary(tmp_path: Path) -> None:
         assert process.stdout is not None
         first = process.stdout.readline()  # the first answer: it is under way
         process.send_signal(signal.SIGINT)
-        out, err = process.communicate(timeout=30)
+        # Read through the same buffered file: readline() may already hold later lines,
+        # which communicate(), reading the pipe underneath, would never see.
+        out = process.stdout.read()
+        err = process.communicate(timeout=30)[1]
         stats = httpx.get(f"{url}/v1/stats").json()
     assert json.loads(first)["path"].startswith(str(folder))
     assert process.returncode == 130
