@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Request
 
-from app.api.image_flow import BODY_DOC, KEEP_ALIVE_DOC, Served, serve_image
+from app.api.image_flow import BODY_DOC, KeepAlive, ModelQuery, Served, TopK, serve_image
 from app.engine.predictor import CLASSIFY
 from app.schemas import ClassifyResponse, ErrorResponse, PredictionOut
 
@@ -20,12 +20,9 @@ ERRORS: dict[int | str, dict[str, Any]] = {
              openapi_extra=BODY_DOC, summary="Classify one image")
 async def classify(
     request: Request,
-    top_k: Annotated[int, Query(ge=1, le=1000, description="How many classes to return.")] = 5,
-    model: Annotated[str | None, Query(max_length=64, description="Model name (GET "
-                                       "/v1/models); the --model one if omitted. A model "
-                                       "not loaded yet is loaded first.")] = None,
-    keep_alive: Annotated[float | None, Query(ge=-1, le=86400 * 365,
-                                              description=KEEP_ALIVE_DOC)] = None,
+    top_k: TopK = 5,
+    model: ModelQuery = None,
+    keep_alive: KeepAlive = None,
 ) -> ClassifyResponse:
     return classification(await serve_image(request, model, keep_alive, CLASSIFY, top_k),
                           top_k)

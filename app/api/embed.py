@@ -8,12 +8,10 @@ memory guard and result cache as classification (cached apart from it).
 
 from __future__ import annotations
 
-from typing import Annotated
-
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Request
 
 from app.api.classify import ERRORS
-from app.api.image_flow import BODY_DOC, KEEP_ALIVE_DOC, serve_image
+from app.api.image_flow import BODY_DOC, KeepAlive, ModelQuery, serve_image
 from app.engine.predictor import EMBED
 from app.schemas import EmbedResponse
 
@@ -24,10 +22,8 @@ router = APIRouter()
              openapi_extra=BODY_DOC, summary="Image features for similarity search")
 async def embed(
     request: Request,
-    model: Annotated[str | None, Query(max_length=64, description="Model name (GET "
-                                       "/v1/models); the --model one if omitted.")] = None,
-    keep_alive: Annotated[float | None, Query(ge=-1, le=86400 * 365,
-                                              description=KEEP_ALIVE_DOC)] = None,
+    model: ModelQuery = None,
+    keep_alive: KeepAlive = None,
 ) -> EmbedResponse:
     served = await serve_image(request, model, keep_alive, EMBED, 1)
     vector = served.embedding

@@ -9,11 +9,11 @@ import asyncio
 import time
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 import torch
-from fastapi import Request
+from fastapi import Query, Request
 from starlette.datastructures import UploadFile
 
 from app.cache import cache_key
@@ -37,8 +37,14 @@ BODY_DOC = {
         },
     }
 }
-KEEP_ALIVE_DOC = ("Seconds the model stays loaded after this request (-1: for ever, 0: "
-                  "unload when done); default: the keep_alive_s setting.")
+# The query parameters every image route takes, declared once.
+TopK = Annotated[int, Query(ge=1, le=1000, description="How many classes to return.")]
+ModelQuery = Annotated[str | None, Query(max_length=64, description="Model name (GET "
+                                         "/v1/models); the --model one if omitted. A model "
+                                         "not loaded yet is loaded first.")]
+KeepAlive = Annotated[float | None, Query(
+    ge=-1, le=86400 * 365, description="Seconds the model stays loaded after this request "
+    "(-1: for ever, 0: unload when done); default: the keep_alive_s setting.")]
 Cached = Ranked | np.ndarray
 Prepared = tuple[str | None, Cached | torch.Tensor]  # the cache key; the answer or pixels
 

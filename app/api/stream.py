@@ -51,7 +51,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from app.api.classify import ERRORS, classification
-from app.api.image_flow import KEEP_ALIVE_DOC, Served, answer, prepare
+from app.api.image_flow import KeepAlive, ModelQuery, Served, TopK, answer, prepare
 from app.engine.batcher import Reservation
 from app.engine.predictor import CLASSIFY, EMBED
 from app.errors import (
@@ -447,12 +447,9 @@ def _boundary(request: Request) -> bytes:
              description=DESCRIPTION)
 async def classify_stream(
     request: Request,
-    top_k: Annotated[int, Query(ge=1, le=1000, description="How many classes to return.")] = 5,
-    model: Annotated[str | None, Query(max_length=64, description="Model name (GET "
-                                       "/v1/models); the --model one if omitted. A model "
-                                       "not loaded yet is loaded first.")] = None,
-    keep_alive: Annotated[float | None, Query(ge=-1, le=86400 * 365,
-                                              description=KEEP_ALIVE_DOC)] = None,
+    top_k: TopK = 5,
+    model: ModelQuery = None,
+    keep_alive: KeepAlive = None,
     embed: Annotated[bool, Query(description="Also each image's features (as /v1/embed "
                                  "gives them), from the same forward pass; not from the "
                                  "result cache.")] = False,
