@@ -1226,6 +1226,8 @@ class GpuCheck:
             # from the first batch on, a batch of 2 does not fit and one image does.
             overrides["memory_budget"] = 4 * 1024**3
             overrides["cpu_memory_cap"] = weights + fit.peak(1) + k // 2
+            # Fixed, so that a busy machine's warmup timings cannot settle on batches of 1.
+            overrides["batch_size"] = size
         out["settings"] = {key: int(value) for key, value in overrides.items()}
         engine: Any = InferenceEngine(self.settings(**overrides))
         try:
@@ -1263,12 +1265,18 @@ class GpuCheck:
             counts: Counter[str] = Counter()
             first: dict[str, str] = {}
             futures = []
+            # The device thread waits while the burst queues, so the first batch is full
+            # whatever the machine's speed.
+            gate = threading.Event()
+            held = engine.batcher.call(lambda: gate.wait(30))
             for sample in self.samples(n):
                 try:
                     futures.append(engine.batcher.submit(sample, 60.0))
                 except Exception as exc:
                     counts[type_name(exc)] += 1
                     first.setdefault(type_name(exc), str(exc)[:200])
+            gate.set()
+            held.result(timeout=60)
             for future in futures:
                 try:
                     outcome = future.result(timeout=90)
