@@ -213,6 +213,18 @@ class Settings(BaseSettings):
                                       "valid admin token per second for all clients together.")
     token_file: Path = Field(default_factory=default_token_file, description="File holding "
                              "the admin token (created at first start, owner-only).")
+    api_key_file: Path | None = Field(None, description="File holding a key that every "
+                                      "request except the health checks must send as "
+                                      "'Authorization: Bearer KEY' (for a server other "
+                                      "computers reach); none: no key asked.")
+    redis_url: str | None = Field(None, description="Redis server holding the rate limits "
+                                  "shared by several replicas (redis://host:6379/0; cluster "
+                                  "only); none: limits kept in this process.")
+    redis_prefix: str = Field("vramguard", pattern=r"^[A-Za-z0-9._-]{1,64}$",
+                              description="Prefix of every Redis key vramguard writes.")
+    replicas: int = Field(1, ge=1, description="Replicas that share the limits (cluster "
+                          "only): while Redis cannot be reached, each keeps this share of "
+                          "them (the global limits divided by it).")
 
     @field_validator("device")
     @classmethod

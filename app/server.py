@@ -27,7 +27,7 @@ from app.event_hub import EventHub
 from app.gates.admin_token import AdminToken, check_bearer, load_or_create_token
 from app.gates.body_limit import BodySizeLimit
 from app.gates.host_origin import HostOriginGate
-from app.gates.rate_limit import Rate, RateLimiter, RateLimitMiddleware
+from app.gates.rate_limit import Limiter, Rate, RateLimiter, RateLimitMiddleware
 from app.gates.ui_session import UiSessions
 from app.metrics import Metrics, MetricsMiddleware
 from app.schemas import LiveSample
@@ -136,8 +136,10 @@ def make_decoder(settings: Settings, workers: int) -> DecodePool:
     return DecodePool(workers, limits, int(settings.decode_memory_budget))
 
 
-def make_state(settings: Settings, engine: InferenceEngine | None = None) -> AppState:
-    """Everything the app holds; ``engine`` lets in-process tests bring their own."""
+def make_state(settings: Settings, engine: InferenceEngine | None = None,
+               limiter: Limiter | None = None) -> AppState:
+    """Everything the app holds; ``engine`` lets in-process tests bring their own, and
+    ``limiter`` a cluster replica its shared buckets (app/cluster)."""
     cache = ResultCache(settings.cache_dir, int(settings.cache_size)) if settings.cache else None
     pool = CpuPool(settings.decode_workers, max_waiting=settings.queue_size)
     return AppState(
@@ -148,7 +150,7 @@ def make_state(settings: Settings, engine: InferenceEngine | None = None) -> App
         cache=cache,
         stats=RequestStats(),
         admin_token=AdminToken(settings.token_file, load_or_create_token(settings.token_file)),
-        limiter=make_limiter(settings),
+        limiter=limiter or make_limiter(settings),
         events=EventHub(),
         ui_sessions=UiSessions(),
         metrics=Metrics(),
@@ -183,9 +185,10 @@ def gates(settings: Settings, state: AppState) -> list[Middleware]:
     return layers
 
 
-def create_app(settings: Settings, engine: InferenceEngine | None = None) -> FastAPI:
+def create_app(settings: Settings, engine: InferenceEngine | None = None,
+               limiter: Limiter | None = None) -> FastAPI:
     """Build the app; the model loads when the app starts (lifespan), not here."""
-    state = make_state(settings, engine)
+    state = make_state(settings, engine, limiter)
     state.metrics.collect_from(state)
     app = FastAPIOffline(
         title="vramguard",

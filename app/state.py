@@ -13,7 +13,7 @@ from app.decode_pool import DecodePool
 from app.engine.engine import InferenceEngine
 from app.event_hub import EventHub
 from app.gates.admin_token import AdminToken
-from app.gates.rate_limit import RateLimiter
+from app.gates.rate_limit import Limiter
 from app.gates.ui_session import UiSessions
 from app.metrics import Metrics
 from app.stats import RequestStats
@@ -28,7 +28,7 @@ class AppState:
     cache: ResultCache | None
     stats: RequestStats
     admin_token: AdminToken
-    limiter: RateLimiter
+    limiter: Limiter
     events: EventHub
     ui_sessions: UiSessions
     metrics: Metrics

@@ -40,7 +40,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -299,10 +299,10 @@ class StreamRun:
     async def _take_token(self) -> None:
         """One rate-limit token per image after the first (the request paid for that),
         waiting for it when there is none: the stream slows to the client's rate."""
-        take: Callable[[], Decision] | None = self.request.scope.get(TOKEN_KEY)
+        take: Callable[[], Awaitable[Decision]] | None = self.request.scope.get(TOKEN_KEY)
         if take is None:
             return
-        while not (decision := take()).allowed:
+        while not (decision := await take()).allowed:
             await asyncio.sleep(decision.retry_after)
 
     async def _place(self, model: str) -> Reservation:

@@ -48,8 +48,9 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -67,7 +68,7 @@ NOT_GLOBAL = frozenset({"/healthz", "/readyz", "/v1/events", "/v2/health/live",
 # Inference Protocol's infer route, for any model and version (app/api/oip.py).
 STREAM_ROUTES = frozenset({"/v1/classify/stream"})  # many images, a token each (above)
 IMAGE_ROUTES = frozenset({"/v1/classify", "/v1/embed"}) | STREAM_ROUTES
-TOKEN_KEY = "vramguard.take_token"  # in a stream's scope: () -> Decision, one more token
+TOKEN_KEY = "vramguard.take_token"  # in a stream's scope: () -> awaitable Decision, a token
 OIP_INFER = re.compile(r"^/v2/models/[^/]+(?:/versions/[^/]+)?/infer$")
 _EPSILON = 1e-9  # float refill arithmetic must not deny a token that is due
 
@@ -134,8 +135,25 @@ class Decision:
     retry_after: float = 0.0
 
 
+class Limiter(Protocol):
+    """What the HTTP layer asks of a rate limiter, in-process or shared (Redis, in
+    app/cluster/redis_limiter.py): it never knows which one it has."""
+
+    @property
+    def rejected(self) -> int:
+        """Refusals counted so far (the metrics' rate-limited total)."""
+
+    async def acquire(self, family: str, client: str, *, shared: bool = True,
+                      counted: bool = True) -> Decision:
+        """Take a token for ``client`` in ``family`` (and the family's global one with
+        ``shared``), or say how long to wait."""
+
+
 class RateLimiter:
-    """Buckets per (family, client) and one global bucket per family; thread-safe."""
+    """Buckets per (family, client) and one global bucket per family; thread-safe.
+
+    ``check`` is synchronous: the appliance's buckets live in this process, so taking a
+    token never waits; ``acquire`` is the same call behind the ``Limiter`` interface."""
 
     def __init__(self, per_client: dict[str, Rate], global_rates: dict[str, Rate],
                  clock: Callable[[], float] = time.monotonic, max_clients: int = 4096) -> None:
@@ -173,6 +191,10 @@ class RateLimiter:
                 common.try_take(now)
             return Decision(True, rate.burst, bucket.remaining(), bucket.seconds_until_full(now))
 
+    async def acquire(self, family: str, client: str, *, shared: bool = True,
+                      counted: bool = True) -> Decision:
+        return self.check(family, client, shared=shared, counted=counted)
+
     def _expire(self, now: float) -> None:
         """Drop buckets that have refilled completely (they hold no state worth keeping),
         oldest first, and any beyond ``max_clients``; never the one just used."""
@@ -184,6 +206,11 @@ class RateLimiter:
 
     def __len__(self) -> int:
         return len(self._clients)
+
+
+async def _free() -> Decision:
+    """What a request that is not charged gets: no limit, no headers."""
+    return Decision(True, 0, 0, 0.0)
 
 
 def route_family(method: str, path: str) -> str:
@@ -229,34 +256,34 @@ class RateLimitMiddleware:
     refusal is counted in ``stats``. ``is_admin`` says whether an Authorization header
     holds the admin token or a dashboard session."""
 
-    def __init__(self, app: ASGIApp, limiter: RateLimiter, stats: RequestStats,
+    def __init__(self, app: ASGIApp, limiter: Limiter, stats: RequestStats,
                  is_admin: Callable[[str], bool]) -> None:
         self.app = app
         self.limiter = limiter
         self.stats = stats
         self.is_admin = is_admin
 
-    def charge(self, scope: Scope, *, counted: bool = True) -> Decision:
+    def charge(self, scope: Scope, *, counted: bool = True) -> Awaitable[Decision]:
         """Take this request's token from its client's bucket for its family, and from
         the family's global bucket unless it is exempt; nothing for a handshake or a route
         that does not exist. ``counted``: a refusal counts as a rate-limited request."""
         path = scope["path"]
         if path in HANDSHAKES or not route_exists(scope):
-            return Decision(True, 0, 0, 0.0)
+            return _free()
         family = route_family(scope["method"], path)
         client = client_key(scope)
         header = authorization(scope)
         if header and self.is_admin(header):
-            return self.limiter.check(family, client + _ADMIN_CALLER,
-                                      shared=family == "classify", counted=counted)
-        return self.limiter.check(family, client, shared=path not in NOT_GLOBAL,
-                                  counted=counted)
+            return self.limiter.acquire(family, client + _ADMIN_CALLER,
+                                        shared=family == "classify", counted=counted)
+        return self.limiter.acquire(family, client, shared=path not in NOT_GLOBAL,
+                                    counted=counted)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        decision = self.charge(scope)
+        decision = await self.charge(scope)
         if not decision.allowed:
             error = RateLimited("Too many requests. Wait for the number of seconds in "
                                 "Retry-After, then send again.",
