@@ -192,7 +192,10 @@ def serve(settings: Settings, launched_by: int | None = None) -> int:
     # from 127.0.0.1 would let any local program pick the address its rate limit counts.
     # One access-log line per request only when debugging: a flood would otherwise write
     # thousands a second and rotate the useful log away (/v1/stats counts them instead).
+    # The asyncio loop always, never uvloop (which the cluster extra brings along): the
+    # connection limits in app/connections.py are built and tested on asyncio's transports.
     config = uvicorn.Config(app, host=settings.host, port=settings.port, workers=1,
+                            loop="asyncio",
                             log_level=settings.log_level, timeout_graceful_shutdown=graceful_s,
                             timeout_keep_alive=settings.idle_timeout_s, proxy_headers=False,
                             access_log=settings.log_level == "debug",
