@@ -24,7 +24,7 @@ import psutil
 import uvicorn
 
 from app import __version__
-from app.config import LOOPBACK_HOSTS, Settings, default_config_file
+from app.config import LOOPBACK_HOSTS, ConfigError, Settings, default_config_file
 from app.instance import (
     InstanceLock,
     RunningInstance,
@@ -184,7 +184,13 @@ def serve(settings: Settings, launched_by: int | None = None) -> int:
     # instead of death by signal.
     for stop_signal in stop_signals():
         signal.signal(stop_signal, _exit_cleanly)
-    app = create_app(settings)
+    try:
+        app = create_app(settings)
+    except ConfigError as exc:  # an API key file that cannot be used
+        listener.close()
+        lock.release()
+        print(f"vramguard: {exc}", file=sys.stderr)
+        return 1
     # A graceful shutdown lets every queued request reach its own deadline (an answer,
     # if only a 503) before uvicorn cancels what is left: cancelled requests get a 500.
     graceful_s = int(settings.request_timeout_s + SHUTDOWN_MARGIN_S)

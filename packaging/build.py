@@ -5,11 +5,11 @@
 All build logic lives here so that build.ps1 (Windows) stays a thin wrapper. After
 PyInstaller, the bundle is checked against packaging/manifest.toml (the libraries that
 stock hooks miss, the model weights, the dashboard): a bundle that lacks any of them,
-a CPU-only bundle that carries CUDA libraries, or a path Windows could not open once
-installed fails the build instead of failing on a user's computer. Before building, the
-torch in this Python must be the flavour asked for (CUDA, or CPU with --cpu-only). A
-report (build time, size by component, file count) is written beside the bundle as
-bundle-report.json.
+a CPU-only bundle that carries CUDA libraries, one that carries the cluster extra (Ray,
+Redis: manifest.toml's [never]), or a path Windows could not open once installed fails
+the build instead of failing on a user's computer. Before building, the torch in this
+Python must be the flavour asked for (CUDA, or CPU with --cpu-only). A report (build
+time, size by component, file count) is written beside the bundle as bundle-report.json.
 """
 
 from __future__ import annotations
@@ -79,6 +79,44 @@ def manifest() -> dict[str, list[str]]:
 def required_entries(cpu_only: bool) -> list[str]:
     entries = manifest()
     return entries["core"] + ([] if cpu_only else entries["cuda"])
+
+
+def never_bundled() -> list[str]:
+    """Modules no bundle may carry (manifest.toml's [never]: the cluster extra)."""
+    modules: list[str] = tomllib.loads(MANIFEST.read_text(encoding="utf-8"))["never"][
+        "modules"]
+    return modules
+
+
+def executables(bundle: Path) -> list[Path]:
+    suffix = ".exe" if platform_key() == "windows" else ""
+    return [bundle / f"{NAME}{suffix}", bundle / f"{NAME}-desktop{suffix}"]
+
+
+def bundled_modules(bundle: Path) -> tuple[set[str], list[str]]:
+    """The Python modules in the executables' archives (pure Python lives there, not in
+    files), and the executables that are not PyInstaller programs. A missing one is left
+    to the manifest check."""
+    from PyInstaller.archive.readers import pkg_archive_contents
+    from PyInstaller.loader.pyimod01_archive import ArchiveReadError
+
+    modules: set[str] = set()
+    unreadable = []
+    for program in executables(bundle):
+        if program.is_file():
+            try:
+                modules.update(pkg_archive_contents(str(program)))
+            except ArchiveReadError:
+                unreadable.append(program.name)
+    return modules, unreadable
+
+
+def carried(bundle: Path, modules: set[str], names: list[str]) -> list[str]:
+    """Which of ``names`` the bundle carries: as a module (or one inside it) in ``modules``,
+    or as files under _internal/ (extension modules and data)."""
+    return [name for name in names
+            if any(module == name or module.startswith(name + ".") for module in modules)
+            or (bundle / "_internal" / Path(*name.split("."))).exists()]
 
 
 def present(bundle: Path, entry: str) -> bool:
@@ -183,6 +221,12 @@ def main(argv: list[str] | None = None) -> int:
         if unwanted:
             problems.append("(a CPU-only bundle must be built with torch's CPU build: "
                             "build.ps1 -Cpu makes its own environment for it)")
+    modules, unreadable = bundled_modules(bundle)
+    problems += [f"not a PyInstaller program: {name}" for name in unreadable]
+    cluster = carried(bundle, modules, never_bundled())
+    if cluster:
+        problems.append(f"the cluster extra in the appliance's bundle: {', '.join(cluster)} "
+                        "(manifest.toml's [never]; the spec's excludes should keep it out)")
     sizes, files, links, longest = size_report(bundle)
     if len(installed_path(longest)) > MAX_PATH:
         problems.append(f"path too long for Windows: {longest} ({len(installed_path(longest))}"

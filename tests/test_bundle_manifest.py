@@ -32,14 +32,34 @@ def load_build():
     return module
 
 
-def fake_bundle(dist: Path, platform: str) -> Path:
-    """A file for every manifest entry of this platform (globs made concrete)."""
+# What a fake bundle's programs carry: the app, and names that merely begin like ones
+# manifest.toml's [never] lists (which must not count as those).
+MODULES = ["app", "app.server", "app.clustering", "tray", "rayleigh", "redistribute"]
+
+
+def program(path: Path, modules: list[str]) -> None:
+    """An executable as PyInstaller lays it out: an archive that holds the module archive
+    (PYZ), here with ``modules`` as entries without code."""
+    from PyInstaller.archive.writers import CArchiveWriter, ZlibArchiveWriter
+
+    pyz = path.with_name(path.name + ".pyz")
+    ZlibArchiveWriter(str(pyz), [(module, "-", "PYMODULE") for module in modules])
+    CArchiveWriter(str(path), [("PYZ.pyz", str(pyz), False, "z")], "libpython3.11.so")
+    pyz.unlink()
+
+
+def fake_bundle(dist: Path, platform: str, modules: list[str] = MODULES) -> Path:
+    """A file for every manifest entry of this platform (globs made concrete); on Linux its
+    two programs carry ``modules``."""
     manifest = tomllib.loads((ROOT / "packaging" / "manifest.toml").read_text())[platform]
     bundle = dist / "vramguard"
     for entry in manifest["core"] + manifest["cuda"]:
         path = bundle / entry.replace("*", "x")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"\0" * 1000)
+    if platform == "linux":
+        for name in ("vramguard", "vramguard-desktop"):
+            program(bundle / name, modules)
     return bundle
 
 
@@ -83,6 +103,29 @@ def test_a_cpu_only_bundle_that_carries_cuda_libraries_fails_the_build(tmp_path)
     assert done.returncode == 1
     assert "CUDA library in a CPU-only bundle: _internal/torch/lib/libtorch_cuda.so" in (
         done.stderr)
+
+
+def test_a_bundle_that_carries_the_cluster_extra_fails_the_build(tmp_path):
+    """Pure Python (redis, app.cluster) is found in the programs' module archive; extension
+    modules and data (uvloop, the Lua script) as files."""
+    bundle = fake_bundle(tmp_path, "linux", [*MODULES, "ray", "ray.serve", "redis.asyncio",
+                                             "app.cluster.serve_app"])
+    for name in ("_internal/uvloop/loop.so", "_internal/app/cluster/token_bucket.lua"):
+        (bundle / name).parent.mkdir(parents=True)
+        (bundle / name).write_bytes(b"\0")
+    done = verify(tmp_path)
+    assert done.returncode == 1
+    assert ("the cluster extra in the appliance's bundle: app.cluster, ray, redis, uvloop "
+            "(manifest.toml's [never]" in done.stderr)
+
+
+def test_programs_that_are_not_pyinstaller_archives_fail_the_build(tmp_path):
+    """A program whose modules cannot be listed cannot be shown to lack the cluster extra."""
+    bundle = fake_bundle(tmp_path, "linux")
+    (bundle / "vramguard-desktop").write_bytes(b"\0" * 1000)
+    done = verify(tmp_path)
+    assert done.returncode == 1
+    assert "not a PyInstaller program: vramguard-desktop" in done.stderr
 
 
 def test_a_path_too_long_for_windows_fails_the_build(tmp_path):

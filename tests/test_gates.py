@@ -131,3 +131,22 @@ def test_host_and_origin_rules():
     assert guard.origin_allowed("http://127.0.0.1:8765")  # our own /docs page
     for bad in ("https://evil.example", "null", "http://localhost:3001", "file://"):
         assert not guard.origin_allowed(bad)
+
+
+def test_configured_public_names_pass_with_any_port_or_only_the_one_they_name():
+    """Behind a reverse proxy (or Ray Serve's) the Host is the public name and the proxy's
+    port; our loopback names still need our own port."""
+    guard = HostOriginGate(app=None, port=8765, allowed_origins=[],  # type: ignore[arg-type]
+                           extra_hosts=["vision.example.com", "API.example.com:8443",
+                                        "[2001:db8::1]", "2001:db8::2"], stats=RequestStats())
+    for ok in ("vision.example.com", "vision.example.com:443", "Vision.Example.COM:8000",
+               "api.example.com:8443", "[2001:db8::1]:8000", "[2001:db8::2]"):
+        assert guard.host_allowed(ok), ok
+    for bad in ("api.example.com", "api.example.com:443", "evil.example:443",
+                "vision.example.com.evil.example", "localhost:8000", "127.0.0.1"):
+        assert not guard.host_allowed(bad), bad
+    for ok in ("https://vision.example.com", "http://vision.example.com:8000"):
+        assert guard.origin_allowed(ok), ok  # our own pages, also through a TLS proxy
+    for bad in ("https://evil.example", "ftp://vision.example.com", "https://localhost:8765",
+                "https://127.0.0.1:8765"):  # no TLS proxy on a loopback name
+        assert not guard.origin_allowed(bad), bad

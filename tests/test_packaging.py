@@ -11,11 +11,13 @@ import json
 import shutil
 import subprocess
 import sys
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from live_server import ROOT
+from PyInstaller.archive.readers import pkg_archive_contents
 from wine import RUN_KEY, UNINSTALL_KEY, WinePrefix, tools_missing, verify_checksums
 
 pytestmark = [pytest.mark.packaging, pytest.mark.slow]
@@ -53,6 +55,12 @@ def test_the_bundle_has_what_the_stock_hooks_miss_and_not_what_inference_skips(d
     assert list(bundle.glob("_internal/nvidia/*/lib/libnvrtc-builtins.so.*"))
     assert not (bundle / "_internal" / "triton").exists()
     assert not (bundle / "_internal" / "scipy").exists()
+    # Nor the cluster extra, even where the build environment has it installed.
+    never = tomllib.loads((ROOT / "packaging" / "manifest.toml").read_text())["never"]["modules"]
+    modules = set(pkg_archive_contents(str(bundle / "vramguard")))
+    assert "app.server" in modules  # the app's own modules are where this looks
+    assert not {m for m in modules for name in never if m == name or m.startswith(name + ".")}
+    assert not [name for name in never if (bundle / "_internal" / Path(*name.split("."))).exists()]
 
 
 def test_smoke_passes_on_the_bundle(dist):

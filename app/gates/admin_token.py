@@ -44,22 +44,27 @@ def identity_proof(token: str, nonce: bytes, port: int) -> str:
     return hmac.new(token.encode(), message, hashlib.sha256).hexdigest()
 
 
-def _profile() -> Path:
+def user_profile() -> Path:
+    """The user's own folder, where Windows keeps private files (``token_file_problem``)."""
     return Path(os.environ.get("USERPROFILE") or Path.home())
 
 
-def token_file_problem(path: Path, mode: int, *, windows: bool, profile: Path) -> str | None:
+def token_file_problem(path: Path, mode: int, *, windows: bool, profile: Path,
+                       name: str = "admin token file",
+                       or_else: str = "or remove the token_file setting to use the default"
+                       ) -> str | None:
     """Why a token file is not private, or None. POSIX: any permission for the group or
     others. Windows has no mode bits worth reading: the file must lie in the user's own
-    profile folder, whose access list only the user and the system share."""
+    profile folder, whose access list only the user and the system share. ``name`` and
+    ``or_else`` (the fix besides moving it) word the message for another secret's file."""
     if windows:
         if path.resolve().is_relative_to(profile.resolve()):
             return None
-        return (f"The admin token file {path} is outside your own user folder ({profile}), "
+        return (f"The {name} {path} is outside your own user folder ({profile}), "
                 "where other users of this computer may be able to read it. Move it into "
-                "your user folder, or remove the token_file setting to use the default.")
+                f"your user folder, {or_else}.")
     if mode & 0o077:
-        return (f"The admin token file {path} can be read or changed by other users of "
+        return (f"The {name} {path} can be read or changed by other users of "
                 f"this computer (its permissions are {stat.filemode(mode)[1:]}). Make it "
                 f"private with: chmod 600 {shlex.quote(str(path))}")
     return None
@@ -108,7 +113,7 @@ def _read(path: Path) -> str:
         mode = os.fstat(handle.fileno()).st_mode
         token = handle.read().decode("utf-8", errors="replace").strip()
     problem = token and token_file_problem(path, mode, windows=sys.platform == "win32",
-                                           profile=_profile())
+                                           profile=user_profile())
     if problem:
         raise InsecureTokenFile(problem)
     return token

@@ -2,7 +2,8 @@
 
 DNS rebinding: a page on evil.example re-points its name at 127.0.0.1 and
 then talks to us as "evil.example". The Host header gives it away, so only
-our own names are accepted (CVE-2024-28224 was Ollama missing this check).
+our own names are accepted (CVE-2024-28224 was Ollama missing this check): the
+loopback ones with our port, and the public names in ``allowed_hosts`` (``is_public``).
 Cross-site requests: a page may still send requests to 127.0.0.1 directly;
 the browser then adds an ``Origin`` header, and any origin not allowed gets
 403 at the server — not merely a response the page cannot read.
@@ -77,24 +78,37 @@ class HostOriginGate:
         self.app = app
         self.stats = stats
         self.port = port
-        self.names = {*LOOPBACK_HOSTS, *(h.lower() for h in extra_hosts)}
+        # (name, port) per allowed_hosts entry, port None for any; a bare IPv6 address
+        # (no brackets) is a name alone
+        self.public = {split_host(h) or (h.strip().lower(), None) for h in extra_hosts}
         self.origins = {o.rstrip("/").lower() for o in allowed_origins}
 
+    def is_public(self, host: tuple[str, int | None]) -> bool:
+        """A name in ``allowed_hosts``: with any port, or only the one an entry names
+        ("vision.example.com:8443"). Behind a reverse proxy or Ray Serve's proxy the Host
+        is the public name with the proxy's port, not ours; only that name's own DNS can
+        send a browser to it, so rebinding gains nothing from the port."""
+        return (host[0], None) in self.public or host in self.public
+
     def host_allowed(self, header: str | None) -> bool:
+        """A public name (``is_public``), or a loopback name with our own port."""
         parsed = split_host(header or "")
         if parsed is None:
             return False
+        if self.is_public(parsed):
+            return True
         name, port = parsed
-        return name in self.names and port in (self.port, None if self.port == 80 else -1)
+        return name in LOOPBACK_HOSTS and port in (self.port, None if self.port == 80 else -1)
 
     def origin_allowed(self, origin: str) -> bool:
         origin = origin.rstrip("/").lower()
         if origin in self.origins:
             return True
         parts = urlsplit(origin)
-        if parts.scheme != "http" or not parts.netloc:
-            return False
-        return self.host_allowed(parts.netloc)  # our own pages (/docs) are same-origin
+        if parts.scheme == "http" and parts.netloc:
+            return self.host_allowed(parts.netloc)  # our own pages (/docs) are same-origin
+        host = split_host(parts.netloc) if parts.scheme == "https" else None
+        return host is not None and self.is_public(host)  # ... also through a TLS proxy
 
     @staticmethod
     def opens_the_dashboard(scope: Scope, headers: dict[bytes, str]) -> bool:
