@@ -106,6 +106,10 @@ class AppCollector(Collector):
                                   value=counts.get("ok", 0) if self.state.cache else 0)
         yield CounterMetricFamily("vramguard_rate_limited", "Requests refused with 429.",
                                   value=self.state.limiter.rejected)
+        yield GaugeMetricFamily("vramguard_rate_limit_fallback", "1 while the limits shared "
+                                "through Redis cannot be reached and this process applies "
+                                "its own share of them.",
+                                value=1.0 if self.state.limiter.fallback else 0.0)
         if engine.runtime is not None:
             yield GaugeMetricFamily("vramguard_warmup_duration_seconds", "How long warmup took.",
                                     value=engine.runtime.warmup.duration_s)
@@ -182,9 +186,12 @@ def _buckets(sizes: dict[int, int]) -> tuple[list[tuple[str, float]], float]:
 
 
 class Metrics:
-    """The registry and the request instruments of one app."""
+    """The registry and the request instruments of one app. ``replica``: a cluster
+    replica's name, added as a ``replica`` label to every series it renders (each replica
+    is scraped on its own port, app/cluster/replica.py); None for the appliance."""
 
-    def __init__(self) -> None:
+    def __init__(self, replica: str | None = None) -> None:
+        self.replica = replica
         self.registry = CollectorRegistry()
         self.requests = Counter("vramguard_requests", "HTTP requests answered.",
                                 ["route", "status"], registry=self.registry)
@@ -197,7 +204,25 @@ class Metrics:
         self.registry.register(AppCollector(state))
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if self.replica is None:
+            return generate_latest(self.registry)
+        return generate_latest(_Labelled(self.registry, "replica", self.replica))
+
+
+class _Labelled(Collector):
+    """Every series of ``source`` with one more label."""
+
+    def __init__(self, source: Collector, name: str, value: str) -> None:
+        self.source = source
+        self.name = name
+        self.value = value
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.source.collect():
+            labelled = Metric(family.name, family.documentation, family.type, family.unit)
+            labelled.samples = [sample._replace(labels={**sample.labels, self.name: self.value})
+                                for sample in family.samples]
+            yield labelled
 
 
 class MetricsMiddleware:

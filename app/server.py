@@ -25,6 +25,7 @@ from app.engine.engine import InferenceEngine
 from app.errors import Unauthorized
 from app.event_hub import EventHub
 from app.gates.admin_token import AdminToken, check_bearer, load_or_create_token
+from app.gates.api_key import ApiKeyGate, load_api_key
 from app.gates.body_limit import BodySizeLimit
 from app.gates.host_origin import HostOriginGate
 from app.gates.rate_limit import Limiter, Rate, RateLimiter, RateLimitMiddleware
@@ -100,14 +101,19 @@ def live_sample(state: AppState) -> LiveSample | None:
     )
 
 
+def limit_rates(settings: Settings) -> tuple[dict[str, Rate], dict[str, Rate]]:
+    """Per-client and global rates by route family: one table for the in-process limiter
+    and the cluster's shared one (app/cluster/redis_limiter.py)."""
+    return ({"classify": Rate(settings.classify_burst, settings.classify_per_s),
+             "read": Rate(settings.read_burst, settings.read_per_s),
+             "admin": Rate(settings.admin_burst, settings.admin_per_s)},
+            {"classify": Rate(settings.global_burst, settings.global_per_s),
+             "read": Rate(settings.global_read_burst, settings.global_read_per_s),
+             "admin": Rate(settings.global_admin_burst, settings.global_admin_per_s)})
+
+
 def make_limiter(settings: Settings) -> RateLimiter:
-    return RateLimiter(
-        per_client={"classify": Rate(settings.classify_burst, settings.classify_per_s),
-                    "read": Rate(settings.read_burst, settings.read_per_s),
-                    "admin": Rate(settings.admin_burst, settings.admin_per_s)},
-        global_rates={"classify": Rate(settings.global_burst, settings.global_per_s),
-                      "read": Rate(settings.global_read_burst, settings.global_read_per_s),
-                      "admin": Rate(settings.global_admin_burst, settings.global_admin_per_s)})
+    return RateLimiter(*limit_rates(settings))
 
 
 def admin_caller(state: AppState) -> Callable[[str], bool]:
@@ -158,7 +164,8 @@ def make_state(settings: Settings, engine: InferenceEngine | None = None,
 
 
 def gates(settings: Settings, state: AppState) -> list[Middleware]:
-    """The ASGI layers every request passes, in the order it passes them."""
+    """The ASGI layers every request passes, in the order it passes them; ApiKeyFileError
+    when the API key file cannot be used."""
     layers = [
         Middleware(MetricsMiddleware, metrics=state.metrics),
         Middleware(HostOriginGate, port=settings.port, extra_hosts=settings.allowed_hosts,
@@ -173,6 +180,12 @@ def gates(settings: Settings, state: AppState) -> list[Middleware]:
                                                 "X-Client-Id"],
                                  expose_headers=["Retry-After", "RateLimit-Limit",
                                                  "RateLimit-Remaining", "RateLimit-Reset"]))
+    # The API key after CORS (a preflight carries no key, and a page must be able to read
+    # a 401) and before the rate limiter: a request without the key is charged nothing,
+    # so strangers cannot spend the tokens of clients that have it.
+    if settings.api_key_file is not None:
+        layers.append(Middleware(ApiKeyGate, key=load_api_key(settings.api_key_file),
+                                 is_admin=admin_caller(state), stats=state.stats))
     if settings.rate_limit:
         layers.append(Middleware(RateLimitMiddleware, limiter=state.limiter,
                                  stats=state.stats, is_admin=admin_caller(state)))
@@ -190,11 +203,22 @@ def create_app(settings: Settings, engine: InferenceEngine | None = None,
     """Build the app; the model loads when the app starts (lifespan), not here."""
     state = make_state(settings, engine, limiter)
     state.metrics.collect_from(state)
+    return app_over(state)
+
+
+def app_over(state: AppState, *, port: int | None = None, runs_lifespan: bool = True
+             ) -> FastAPI:
+    """The app over ``state``. A cluster replica (app/cluster/replica.py) builds a second
+    one over the same state for its own port: its Host check names ``port``, and it has no
+    lifespan, since the first app's starts and stops the engine they share."""
+    settings = state.settings
+    if port is not None:
+        settings = settings.model_copy(update={"port": port})
     app = FastAPIOffline(
         title="vramguard",
         version=__version__,
         description="Local image classification that guards GPU memory.",
-        lifespan=lifespan,
+        lifespan=lifespan if runs_lifespan else None,
         redoc_url=None,
         middleware=gates(settings, state),
     )

@@ -143,6 +143,11 @@ class Limiter(Protocol):
     def rejected(self) -> int:
         """Refusals counted so far (the metrics' rate-limited total)."""
 
+    @property
+    def fallback(self) -> bool:
+        """Whether a shared limiter is working from its local share (its store cannot be
+        reached); never for the in-process one."""
+
     async def acquire(self, family: str, client: str, *, shared: bool = True,
                       counted: bool = True) -> Decision:
         """Take a token for ``client`` in ``family`` (and the family's global one with
@@ -194,6 +199,10 @@ class RateLimiter:
     async def acquire(self, family: str, client: str, *, shared: bool = True,
                       counted: bool = True) -> Decision:
         return self.check(family, client, shared=shared, counted=counted)
+
+    @property
+    def fallback(self) -> bool:
+        return False
 
     def _expire(self, now: float) -> None:
         """Drop buckets that have refilled completely (they hold no state worth keeping),
