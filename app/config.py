@@ -225,6 +225,11 @@ class Settings(BaseSettings):
     replicas: int = Field(1, ge=1, description="Replicas that share the limits (cluster "
                           "only): while Redis cannot be reached, each keeps this share of "
                           "them (the global limits divided by it).")
+    replica_port: int = Field(8780, ge=1, le=65535, description="Cluster only: each replica "
+                              "serves its own routes (admin calls, /metrics, /v1/events, /ui, "
+                              "/v1/memory, /v1/stats) on host, at this port plus its rank on "
+                              "its node (0, 1, ...); the proxy serves only the inference "
+                              "routes.")
 
     @field_validator("device")
     @classmethod

@@ -1,0 +1,166 @@
+"""The cluster mode's parts that need no running cluster: the appliance never imports Ray
+or Redis, a replica's two faces split the routes, the shipped Serve config builds, and a
+bad setting in it is named. (tests/test_cluster.py runs the real thing.)"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import httpx
+import pytest
+from asgi import anyio_backend  # noqa: F401  (a fixture)
+from live_server import ROOT
+
+from app.cluster.proxy import LostReplicaAnswer
+from app.cluster.replica import Replica
+from app.config import ConfigError, Settings
+
+SERVE_YAML = ROOT / "deploy" / "ray" / "serve.yaml"
+PROXY_PORT = 8000
+
+
+def test_the_appliance_never_imports_ray_or_redis():
+    code = ("import sys, app.server, app.cli, app.process_control; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'ray', 'redis'}))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120, check=True)
+    assert result.stdout.strip() == "[]", result.stdout
+
+
+@pytest.fixture
+def replica(tmp_path: Path) -> Iterator[Replica]:
+    """A replica's faces, not started (no model load); its own port bound, then closed."""
+    from live_server import free_port
+
+    settings = Settings(port=PROXY_PORT, replica_port=free_port(), device="cpu",
+                        cache=False, token_file=tmp_path / "admin-token", decode_workers=1)
+    made = Replica(settings, "3", 0)
+    try:
+        yield made
+    finally:
+        made.side.socket.close()
+
+
+def client(app: Any, port: int) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app, client=("127.0.0.1", 5000)),
+                             base_url=f"http://127.0.0.1:{port}")
+
+
+@pytest.mark.anyio
+async def test_the_proxy_face_serves_only_what_any_replica_can_answer(replica):
+    async with client(replica.asgi, PROXY_PORT) as proxy:
+        models = await proxy.get("/v1/models")
+        for path in ("/v1/memory", "/v1/stats", "/metrics", "/v1/events", "/ui"):
+            per_process = await proxy.get(path)
+            assert per_process.status_code == 404, path
+            message = per_process.json()["error"]["message"]
+            assert f"{replica.side.url}{path}" in message and "replica_port" in message
+        admin = await proxy.post("/v1/admin/pause")
+        unknown = await proxy.get("/nope")
+        wrong_method = await proxy.get("/v1/classify")
+        oip = await proxy.get("/v2/health/live")
+    assert models.status_code == 200 and oip.status_code == 200
+    assert admin.status_code == 404 and replica.side.url in admin.json()["error"]["message"]
+    assert unknown.status_code == 404 and "There is no /nope here" in unknown.text
+    assert wrong_method.status_code == 405  # the app's own answer, as in the appliance
+
+
+@pytest.mark.anyio
+async def test_the_replica_port_serves_its_own_routes_and_sends_images_to_the_proxy(replica):
+    async with client(replica.own, replica.side.port) as own:
+        metrics = await own.get("/metrics")
+        stats = await own.get("/v1/stats")
+        image = await own.post("/v1/classify", content=b"x")
+        oip_infer = await own.post("/v2/models/efficientnet_lite0/infer", json={})
+        shutdown = await own.post("/v1/admin/shutdown")
+        wrong_host = await own.get("/v1/stats", headers={"Host": f"127.0.0.1:{PROXY_PORT}"})
+    assert metrics.status_code == 200 and stats.status_code == 200
+    assert 'vramguard_ready{replica="3"} 0.0' in metrics.text
+    assert all('replica="3"' in line for line in metrics.text.splitlines()
+               if line.startswith("vramguard_"))
+    assert image.status_code == 404 and f"proxy (port {PROXY_PORT})" in image.text
+    assert oip_infer.status_code == 404 and "proxy" in oip_infer.json()["error"]
+    assert shutdown.status_code == 404 and "serve shutdown" in shutdown.text
+    assert wrong_host.status_code == 403  # the Host check names this port, not the proxy's
+
+
+def test_a_replica_port_in_use_is_named(tmp_path, replica):
+    settings = replica.state.settings.model_copy(update={"token_file": tmp_path / "t2"})
+    with pytest.raises(RuntimeError, match=f"127.0.0.1:{replica.side.port}.*replica_port"):
+        Replica(settings, "4", 0)
+
+
+def serve_app() -> ModuleType:
+    """app.cluster.serve_app, which imports Ray and redis (skipped without the cluster
+    extra)."""
+    pytest.importorskip("redis", reason="the cluster extra is not installed")
+    pytest.importorskip("ray", reason="the cluster extra is not installed")
+    with warnings.catch_warnings():  # ray's pydantic fields use a deprecated style
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from app.cluster import serve_app as module
+    return module
+
+
+def test_the_shipped_serve_config_builds():
+    yaml = pytest.importorskip("yaml")
+    module = serve_app()
+    from ray.serve.deployment import Application
+    from ray.serve.schema import ServeDeploySchema
+
+    raw = yaml.safe_load(SERVE_YAML.read_text())
+    config = ServeDeploySchema.model_validate(raw)  # Serve's own rules for the file
+    (application,) = raw["applications"]
+    (deployment,) = application["deployments"]
+    args = application["args"]
+    assert application["import_path"] == "app.cluster.serve_app:build_app"
+    assert deployment["name"] == module.DEPLOYMENT
+    assert args["port"] == config.http_options.port
+    assert args["replicas"] == deployment["autoscaling_config"]["max_replicas"]
+    assert isinstance(module.build_app(args), Application)
+
+
+def test_a_replica_takes_a_gpu_on_cuda_and_a_cpu_budget_on_the_cpu():
+    module = serve_app()
+    assert module.actor_options(Settings(device="cuda")) == {"num_gpus": 1, "num_cpus": 1}
+    assert module.actor_options(Settings(device="cpu")) == {"num_cpus": 1}
+    assert module.actor_options(Settings(device="auto")) == {"num_cpus": 1}  # Ray not running
+
+
+@pytest.mark.parametrize(("args", "named"), [
+    ({"modle": "resnet50"}, "'modle' is not a vramguard setting"),
+    ({"queue_size": 0}, "setting 'queue_size' is invalid"),
+    ({"device": "cuda:1"}, "set device to 'cuda' or 'auto'"),
+    ({"host": "0.0.0.0"}, "allow_remote"),
+])
+def test_a_bad_setting_in_the_serve_config_is_named(args, named):
+    build_app = serve_app().build_app
+    with pytest.raises(ConfigError, match=named):
+        build_app(args)
+
+
+async def _proxy_sent_nothing(scope: Any, receive: Any, send: Any) -> None:
+    """Serve's proxy for a request whose replica died: it returns without an answer."""
+
+
+async def _proxy_answered(scope: Any, receive: Any, send: Any) -> None:
+    await send({"type": "http.response.start", "status": 429, "headers": []})
+    await send({"type": "http.response.body", "body": b"slow down"})
+
+
+@pytest.mark.anyio
+async def test_a_request_lost_with_its_replica_gets_503_with_retry_after():
+    async with client(LostReplicaAnswer(_proxy_sent_nothing), PROXY_PORT) as proxy:
+        lost = await proxy.post("/v1/classify")
+        lost_oip = await proxy.post("/v2/models/m/infer")
+    async with client(LostReplicaAnswer(_proxy_answered), PROXY_PORT) as proxy:
+        answered = await proxy.post("/v1/classify")
+    assert lost.status_code == 503 and lost.headers["Retry-After"] == "1"
+    assert lost.json()["error"]["code"] == "replica_lost"
+    assert lost_oip.status_code == 503 and "send it again" in lost_oip.json()["error"]
+    assert answered.status_code == 429 and answered.text == "slow down"
