@@ -42,7 +42,10 @@ def _serve(stack: ExitStack, name: str, cwd: Path, work: Path, env: dict[str, st
                 "--port", str(port),
                 *(["--batch-size", str(batch_size)] if batch_size else [])])
     process = stack.enter_context(running(command, f"{url}/readyz", work / f"{name}.log",
-                                          {**env, "VRAMGUARD_CACHE_DIR": str(work / name)},
+                                          {**env, "VRAMGUARD_CACHE_DIR": str(work / name),
+                                           # each measures its own profile, as at a
+                                           # first start: none reuses another's
+                                           "VRAMGUARD_PROFILE_DIR": str(work / f"{name}-p")},
                                           cwd=cwd))
     return f"{url}/v1/classify", process.pid
 
