@@ -134,9 +134,10 @@ export const ERROR_CLASSES = Object.freeze(Object.fromEntries([
   InsufficientMemory,
 ].map((cls) => [cls.code, cls])));
 
-/** Codes worth another try; every other error (other 4xx, paused, ...) is thrown at once. */
+/** Codes worth another try; every other error (other 4xx, paused, ...) is thrown at once.
+ * (replica_lost: a cluster replica died with the request; another one answers it.) */
 export const RETRIED = new Set(["rate_limited", "overloaded", "deadline_exceeded", "not_ready",
-  "insufficient_memory", "connection_lost"]);
+  "insufficient_memory", "connection_lost", "replica_lost"]);
 /** Codes that hold back every image request of the client, not only the refused one: the
  * server refused this client, or is refusing everyone. */
 export const PACED = new Set(["rate_limited", "overloaded", "not_ready"]);
