@@ -90,3 +90,13 @@ def test_an_oom_at_batch_one_fails_the_start_and_says_why(
     _fails_above(0, torch.OutOfMemoryError("CUDA out of memory"), monkeypatch)
     with pytest.raises(RuntimeError, match="not enough memory"):
         warm(max_batch_size=4)
+
+
+def test_a_reused_profile_that_no_longer_fits_its_batch_warms_up_with_one_image(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reused profile's warm pass runs at the chosen batch; measured with more room
+    than there is now, that pass runs out of memory: the load still succeeds."""
+    warm(max_batch_size=4, batch_size=4, profile_dir=tmp_path)  # measures and stores
+    _fails_above(1, torch.OutOfMemoryError("CUDA out of memory"), monkeypatch)
+    _, runtime = warm(max_batch_size=4, batch_size=4, profile_dir=tmp_path)
+    assert runtime.reused_profile

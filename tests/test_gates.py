@@ -145,8 +145,23 @@ def test_configured_public_names_pass_with_any_port_or_only_the_one_they_name():
     for bad in ("api.example.com", "api.example.com:443", "evil.example:443",
                 "vision.example.com.evil.example", "localhost:8000", "127.0.0.1"):
         assert not guard.host_allowed(bad), bad
-    for ok in ("https://vision.example.com", "http://vision.example.com:8000"):
+    for ok in ("https://vision.example.com", "http://vision.example.com:8765",
+               "https://api.example.com:8443"):
         assert guard.origin_allowed(ok), ok  # our own pages, also through a TLS proxy
     for bad in ("https://evil.example", "ftp://vision.example.com", "https://localhost:8765",
-                "https://127.0.0.1:8765"):  # no TLS proxy on a loopback name
+                "https://127.0.0.1:8765",  # no TLS proxy on a loopback name
+                "http://vision.example.com:3000",  # another web service on that machine
+                "https://api.example.com"):  # not the port its entry names
+        assert not guard.origin_allowed(bad), bad
+
+
+def test_a_listed_loopback_name_stays_tied_to_our_port():
+    """Listing localhost in allowed_hosts must not let other local web servers' pages in
+    (a development server on localhost:3000 is another site)."""
+    guard = HostOriginGate(app=None, port=8765, allowed_origins=[],  # type: ignore[arg-type]
+                           extra_hosts=["localhost", "127.0.0.1:3000"], stats=RequestStats())
+    assert guard.host_allowed("localhost:8765") and guard.origin_allowed("http://localhost:8765")
+    for bad in ("localhost:3000", "127.0.0.1:3000"):
+        assert not guard.host_allowed(bad), bad
+    for bad in ("http://localhost:3000", "http://127.0.0.1:3000", "https://localhost"):
         assert not guard.origin_allowed(bad), bad

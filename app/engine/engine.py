@@ -582,12 +582,23 @@ class InferenceEngine:
         still runs, so that the first request does not pay for the first pass's setup, and
         so that the C allocator and torch's kernels start where a measurement leaves them:
         after a pass of one image only, every later lone image took 27 ms instead of 21
-        (EfficientNet-Lite0, 2-core CPU; 22 ms after a pass of 4)."""
+        (EfficientNet-Lite0, 2-core CPU; 22 ms after a pass of 4). A profile measured
+        with more room than there is now may not fit that pass: one image then warms up,
+        and the memory guard sizes the batches as the memory in use allows."""
         timings = [t for t in stored.timings if t.batch_size <= self.settings.max_batch_size]
         chosen = self.settings.batch_size or choose_batch_size(
             timings or stored.timings[:1], self.settings.target_latency_ms / 1000)
         chosen = min(chosen, stored.points[-1][0])
-        predictor(predictor.random_batch(chosen))
+        try:
+            predictor(predictor.random_batch(chosen))
+        except Exception as exc:
+            if chosen == 1 or classify_error(exc) is not ErrorKind.OUT_OF_MEMORY:
+                raise
+            log.warning("%s: a batch of %d no longer fits in memory while loading; warming "
+                        "up with one image", stored.key.model, chosen)
+            if self.probe is not None:
+                self.probe.empty_cache()
+            predictor(predictor.random_batch(1))
         return stored.warmup(time.monotonic() - started), list(stored.points), chosen
 
     def _measure(self, predictor: Predictor, probe: Probe

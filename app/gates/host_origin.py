@@ -79,8 +79,10 @@ class HostOriginGate:
         self.stats = stats
         self.port = port
         # (name, port) per allowed_hosts entry, port None for any; a bare IPv6 address
-        # (no brackets) is a name alone
-        self.public = {split_host(h) or (h.strip().lower(), None) for h in extra_hosts}
+        # (no brackets) is a name alone. Loopback names stay tied to our own port even
+        # when listed: other local web servers' pages must not pass as ours.
+        entries = (split_host(h) or (h.strip().lower(), None) for h in extra_hosts)
+        self.public = {entry for entry in entries if entry[0] not in LOOPBACK_HOSTS}
         self.origins = {o.rstrip("/").lower() for o in allowed_origins}
 
     def is_public(self, host: tuple[str, int | None]) -> bool:
@@ -90,25 +92,35 @@ class HostOriginGate:
         send a browser to it, so rebinding gains nothing from the port."""
         return (host[0], None) in self.public or host in self.public
 
+    def public_origin(self, host: tuple[str, int | None]) -> bool:
+        """A page under a public name that is ours: on the port its entry names, or, for
+        an entry without one, on our own port or the scheme's default (a TLS proxy's
+        443). Another port of that machine is another web service, not us."""
+        name, port = host
+        return host in self.public or ((name, None) in self.public
+                                       and port in (None, self.port))
+
+    def loopback(self, host: tuple[str, int | None]) -> bool:
+        """A loopback name with our own port."""
+        name, port = host
+        return name in LOOPBACK_HOSTS and port in (self.port, None if self.port == 80 else -1)
+
     def host_allowed(self, header: str | None) -> bool:
         """A public name (``is_public``), or a loopback name with our own port."""
         parsed = split_host(header or "")
-        if parsed is None:
-            return False
-        if self.is_public(parsed):
-            return True
-        name, port = parsed
-        return name in LOOPBACK_HOSTS and port in (self.port, None if self.port == 80 else -1)
+        return parsed is not None and (self.is_public(parsed) or self.loopback(parsed))
 
     def origin_allowed(self, origin: str) -> bool:
         origin = origin.rstrip("/").lower()
         if origin in self.origins:
             return True
         parts = urlsplit(origin)
-        if parts.scheme == "http" and parts.netloc:
-            return self.host_allowed(parts.netloc)  # our own pages (/docs) are same-origin
-        host = split_host(parts.netloc) if parts.scheme == "https" else None
-        return host is not None and self.is_public(host)  # ... also through a TLS proxy
+        host = split_host(parts.netloc) if parts.scheme in ("http", "https") else None
+        if host is None:
+            return False
+        if parts.scheme == "http" and self.loopback(host):
+            return True  # our own pages (/docs) are same-origin
+        return self.public_origin(host)  # ... also through a TLS proxy
 
     @staticmethod
     def opens_the_dashboard(scope: Scope, headers: dict[bytes, str]) -> bool:
