@@ -145,7 +145,9 @@ def make_decoder(settings: Settings, workers: int) -> DecodePool:
 def make_state(settings: Settings, engine: InferenceEngine | None = None,
                limiter: Limiter | None = None) -> AppState:
     """Everything the app holds; ``engine`` lets in-process tests bring their own, and
-    ``limiter`` a cluster replica its shared buckets (app/cluster)."""
+    ``limiter`` a cluster replica its shared buckets (app/cluster); ApiKeyFileError when
+    the API key file cannot be used (read first, before anything is started)."""
+    api_key = load_api_key(settings.api_key_file) if settings.api_key_file else None
     cache = ResultCache(settings.cache_dir, int(settings.cache_size)) if settings.cache else None
     pool = CpuPool(settings.decode_workers, max_waiting=settings.queue_size)
     return AppState(
@@ -160,12 +162,13 @@ def make_state(settings: Settings, engine: InferenceEngine | None = None,
         events=EventHub(),
         ui_sessions=UiSessions(),
         metrics=Metrics(),
+        api_key=api_key,
     )
 
 
 def gates(settings: Settings, state: AppState) -> list[Middleware]:
-    """The ASGI layers every request passes, in the order it passes them; ApiKeyFileError
-    when the API key file cannot be used."""
+    """The ASGI layers every request passes, in the order it passes them."""
+    is_admin = admin_caller(state)
     layers = [
         Middleware(MetricsMiddleware, metrics=state.metrics),
         Middleware(HostOriginGate, port=settings.port, extra_hosts=settings.allowed_hosts,
@@ -183,12 +186,12 @@ def gates(settings: Settings, state: AppState) -> list[Middleware]:
     # The API key after CORS (a preflight carries no key, and a page must be able to read
     # a 401) and before the rate limiter: a request without the key is charged nothing,
     # so strangers cannot spend the tokens of clients that have it.
-    if settings.api_key_file is not None:
-        layers.append(Middleware(ApiKeyGate, key=load_api_key(settings.api_key_file),
-                                 is_admin=admin_caller(state), stats=state.stats))
+    if state.api_key is not None:
+        layers.append(Middleware(ApiKeyGate, key=state.api_key, is_admin=is_admin,
+                                 stats=state.stats))
     if settings.rate_limit:
         layers.append(Middleware(RateLimitMiddleware, limiter=state.limiter,
-                                 stats=state.stats, is_admin=admin_caller(state)))
+                                 stats=state.stats, is_admin=is_admin))
     layers.append(Middleware(
         BodySizeLimit, max_bytes=int(settings.max_body_bytes),
         max_inflight_bytes=int(settings.max_inflight_body_bytes),

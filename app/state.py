@@ -32,6 +32,7 @@ class AppState:
     events: EventHub
     ui_sessions: UiSessions
     metrics: Metrics
+    api_key: str | None  # read once from api_key_file, for every face of the app
 
 
 def state_of(connection: HTTPConnection) -> AppState:

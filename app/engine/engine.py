@@ -496,7 +496,7 @@ class InferenceEngine:
         reused = stored is not None and not stored.out_of_memory_on_load
         try:
             if stored is not None and reused:
-                warmup, points, chosen = self._reuse(predictor, stored, started)
+                warmup, points, chosen = self._reuse(predictor, probe, stored, started)
             else:
                 warmup, points, chosen = self._measure(predictor, probe)
                 # Measured short of memory (another program, a model not unloaded yet):
@@ -576,8 +576,8 @@ class InferenceEngine:
                     if t.images_per_second >= NEAR_TIE * best)
         return min(timed, points[-1][0])
 
-    def _reuse(self, predictor: Predictor, stored: ModelProfile, started: float
-               ) -> tuple[WarmupProfile, list[tuple[int, int]], int]:
+    def _reuse(self, predictor: Predictor, probe: Probe, stored: ModelProfile,
+               started: float) -> tuple[WarmupProfile, list[tuple[int, int]], int]:
         """A stored profile instead of the measurement. One pass at the chosen batch size
         still runs, so that the first request does not pay for the first pass's setup, and
         so that the C allocator and torch's kernels start where a measurement leaves them:
@@ -596,8 +596,7 @@ class InferenceEngine:
                 raise
             log.warning("%s: a batch of %d no longer fits in memory while loading; warming "
                         "up with one image", stored.key.model, chosen)
-            if self.probe is not None:
-                self.probe.empty_cache()
+            probe.empty_cache()
             predictor(predictor.random_batch(1))
         return stored.warmup(time.monotonic() - started), list(stored.points), chosen
 
