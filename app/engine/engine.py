@@ -761,7 +761,7 @@ class InferenceEngine:
             raise NotReady(self.not_ready_message(), retry_after=5)
         guard, probe = runtime.guard, runtime.probe
         if self._cpu_threads is not None:
-            self._cpu_threads.fit(others_busy=self.batcher.backlog > 0)
+            self._cpu_threads.fit(self.batcher.backlog > 0, name, len(samples))
         ooms = guard.counters.oom_events
         started = time.perf_counter()
         try:
@@ -772,8 +772,11 @@ class InferenceEngine:
             self.phase, self.error, self.device_lost = Phase.FAILED, str(exc), True
             raise NotReady(self.not_ready_message(), retry_after=5) from None
         self.events.setdefault(name, ModelEvents()).sizes[len(samples)] += 1
-        if runtime.batch_size is not None and guard.counters.oom_events == ooms:
-            self._adapt(name, runtime, len(samples), time.perf_counter() - started)
+        took = time.perf_counter() - started if guard.counters.oom_events == ooms else None
+        if self._cpu_threads is not None:
+            self._cpu_threads.record(took)
+        if runtime.batch_size is not None and took is not None:
+            self._adapt(name, runtime, len(samples), took)
         measured = probe.batch_peak()
         usage = measured if measured is not None else guard.fit.peak(len(samples))
         usage = max(usage, probe.held())
