@@ -13,7 +13,7 @@ and the rule "one fewer whenever anything else is in progress" made an image str
 slower than separate requests only because it kept an image in progress more often.
 Neither count is right for every load, so the device thread measures both: it keeps the
 last few batch times for each model, batch size and thread count, uses the faster, and gives the
-other one batch in ``EXPLORE_EVERY`` so the choice follows the load. A lone image, with
+other one batch in ``EXPLORE_EVERY`` (16) so the choice follows the load. A lone image, with
 nothing else running, is answered fastest with every core (23 ms against 28 ms with one
 on 2 cores). Only the device thread calls this; on a GPU the threads do not matter and
 nothing changes.
@@ -28,7 +28,9 @@ import torch
 
 WINDOW = 5  # batch times kept per model, batch size and thread count: the median of these
 TRIED = 3  # batch times a count needs (for that model and batch size) before it is judged
-EXPLORE_EVERY = 10  # one busy batch in this many goes to the count not in favour
+EXPLORE_EVERY = 16  # one busy batch in this many goes to the count not in favour (it costs
+# 1/16 of the difference; the favoured count slowing down is seen at once, the other
+# speeding up after TRIED of these)
 
 
 class CpuThreads:
