@@ -7,6 +7,10 @@ HMAC(token, nonce ‖ port), against the port it called. Whatever else answers o
 port (a program that took it while vramguard was down, or one that passes the challenge
 on to a real vramguard elsewhere) gets no token and no action. ``vramguard stop`` and
 the second launch use this client too.
+
+Readings (``sample``) go without the token, unless the server asks for an API key
+(``api_key_file``): its first 401 makes the client prove the server and send the admin
+token, which the key gate accepts in the key's place, with every later reading.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ class ApiClient:
         self.port = httpx.URL(base_url).port or 80
         self._http = httpx.Client(base_url=base_url, timeout=timeout, transport=transport,
                                   headers={"X-Client-Id": "vramguard-tray"})
+        self.keyed = False  # the server answered a reading with 401: it asks for a key
 
     def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:
@@ -94,11 +99,20 @@ class ApiClient:
                                "vramguard is not running there (or it uses another "
                                "admin-token file). Nothing was sent to it.")
 
-    def _call(self, method: str, path: str, admin: bool = False) -> dict[str, Any]:
+    def _proven_token(self) -> str:
+        """The admin token, once the server on the port has proved it knows it."""
+        token = self._token()
+        self._prove(token)
+        return token
+
+    def _call(self, method: str, path: str, admin: bool = False,
+              token: str | None = None) -> dict[str, Any]:
+        """``admin``: prove the server, then send the token; ``token``: one already proven
+        for this call."""
         headers = {}
         if admin:
-            token = self._token()
-            self._prove(token)
+            token = self._proven_token()
+        if token is not None:
             headers["Authorization"] = f"Bearer {token}"
         response = self._request(method, path, headers=headers)
         if response.status_code >= 400:
@@ -119,15 +133,26 @@ class ApiClient:
 
     def sample(self) -> LiveSample:
         """Memory and queue figures in one sample (what the icon and menu show), read from
-        /v1/memory and /v1/stats: the same fields as a live event's."""
+        /v1/memory and /v1/stats: the same fields as a live event's. On a server that asks
+        for an API key, with the proven admin token in its place."""
         try:
-            memory = MemoryReport.model_validate(self._call("GET", "/v1/memory"))
-            stats = StatsResponse.model_validate(self._call("GET", "/v1/stats"))
+            token = self._proven_token() if self.keyed else None
+            try:
+                memory = MemoryReport.model_validate(self._call("GET", "/v1/memory",
+                                                                token=token))
+            except Refused as exc:
+                if exc.status != 401 or token is not None:
+                    raise
+                self.keyed = True
+                token = self._proven_token()
+                memory = MemoryReport.model_validate(self._call("GET", "/v1/memory",
+                                                                token=token))
+            stats = StatsResponse.model_validate(self._call("GET", "/v1/stats", token=token))
         except ValueError:  # not vramguard's answer: nothing to show
             raise ServerDown(f"the program on port {self.port} does not answer like "
                              "vramguard") from None
-        except RuntimeError as exc:  # refused (rate limited, say): no reading this time
-            raise ServerDown(str(exc)) from None
+        except (RuntimeError, NotVramguard) as exc:  # refused (rate limited, say), or not
+            raise ServerDown(str(exc)) from None  # ours: no reading this time
         return LiveSample(
             **memory.model_dump(), t=time.time(), queue_depth=stats.queue_depth,
             in_flight=stats.in_flight, batches=stats.batches,
