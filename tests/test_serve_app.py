@@ -60,13 +60,13 @@ async def test_the_proxy_face_serves_only_what_any_replica_can_answer(replica):
             per_process = await proxy.get(path)
             assert per_process.status_code == 404, path
             message = per_process.json()["error"]["message"]
-            assert f"{replica.side.url}{path}" in message and "replica_port" in message
+            assert "replica_port" in message and replica.side.url not in message
         admin = await proxy.post("/v1/admin/pause")
         unknown = await proxy.get("/nope")
         wrong_method = await proxy.get("/v1/classify")
         oip = await proxy.get("/v2/health/live")
     assert models.status_code == 200 and oip.status_code == 200
-    assert admin.status_code == 404 and replica.side.url in admin.json()["error"]["message"]
+    assert admin.status_code == 404 and "replica_port" in admin.json()["error"]["message"]
     assert unknown.status_code == 404 and "There is no /nope here" in unknown.text
     assert wrong_method.status_code == 405  # the app's own answer, as in the appliance
 

@@ -165,10 +165,11 @@ class Replica:
 
     def _not_public(self, path: str) -> str:
         settings = self.state.settings
+        # Anyone who reaches the proxy reads this (it comes before the key gate): it says
+        # how replicas' ports are chosen (as the docs do), never this one's address.
         return (f"{path} belongs to one replica, so the proxy does not serve it. Each "
                 "replica answers it on its own port on its node: replica_port "
-                f"({settings.replica_port}) plus its rank on that node. The replica that "
-                f"answered this one is at {self.side.url}{path}.")
+                f"({settings.replica_port}) plus its rank on that node.")
 
     def _not_here(self, path: str) -> str:
         if path in SERVE_STOPS_REPLICAS:
