@@ -137,17 +137,13 @@ class ApiClient:
         for an API key, with the proven admin token in its place."""
         try:
             token = self._proven_token() if self.keyed else None
-            try:
-                memory = MemoryReport.model_validate(self._call("GET", "/v1/memory",
-                                                                token=token))
-            except Refused as exc:
-                if exc.status != 401 or token is not None:
-                    raise
-                self.keyed = True
-                token = self._proven_token()
-                memory = MemoryReport.model_validate(self._call("GET", "/v1/memory",
-                                                                token=token))
+            memory = MemoryReport.model_validate(self._call("GET", "/v1/memory", token=token))
             stats = StatsResponse.model_validate(self._call("GET", "/v1/stats", token=token))
+        except Refused as exc:
+            if exc.status != 401 or self.keyed:
+                raise ServerDown(str(exc)) from None
+            self.keyed = True  # read again, now with the token (once: keyed from here on)
+            return self.sample()
         except ValueError:  # not vramguard's answer: nothing to show
             raise ServerDown(f"the program on port {self.port} does not answer like "
                              "vramguard") from None

@@ -12,11 +12,11 @@ batch) every core wins instead: 17-20 ms per image against 23-26 with one thread
 and the rule "one fewer whenever anything else is in progress" made an image stream 5 %
 slower than separate requests only because it kept an image in progress more often.
 Neither count is right for every load, so the device thread measures both: it keeps the
-last few batch times for each model, batch size and thread count, uses the faster, and gives the
-other one batch in ``EXPLORE_EVERY`` (16) so the choice follows the load. A lone image, with
-nothing else running, is answered fastest with every core (23 ms against 28 ms with one
-on 2 cores). Only the device thread calls this; on a GPU the threads do not matter and
-nothing changes.
+last few batch times for each model, batch size and thread count, uses the faster, and
+gives the other one batch in ``EXPLORE_EVERY`` (16) so the choice follows the load. A lone
+image, with nothing else running, is answered fastest with every core (23 ms against 28 ms
+with one on 2 cores). Only the device thread calls this; on a GPU the threads do not
+matter and nothing changes.
 """
 
 from __future__ import annotations
