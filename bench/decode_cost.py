@@ -30,9 +30,9 @@ import numpy as np
 import psutil
 from PIL import Image
 
-from app.decode_pool import DecodeLimits, DecodePool
-from app.imaging import Preprocessing, open_image
-from app.pixels import model_input
+from app.imaging.decode_pool import DecodeLimits, DecodePool
+from app.imaging.decoding import Preprocessing, open_image
+from app.imaging.pixels import model_input
 from bench.process import ROOT, free_port, running, server_env
 
 sys.path.insert(0, str(ROOT / "tests"))
@@ -62,8 +62,8 @@ _START = """
 if __name__ == "__main__":  # a worker re-runs this file: only the lines above this one
     import json, statistics, time
     import psutil
-    from app.decode_pool import Worker
-    from app.decode_worker import READY
+    from app.imaging.decode_pool import Worker
+    from app.imaging.decode_worker import READY
     walls, cpus, rss, uss = [], [], [], []
     for _ in range(5):
         started = time.perf_counter()
@@ -89,7 +89,7 @@ def worker_start() -> list[str]:
 
     lines = []
     folder = Path(tempfile.mkdtemp(prefix="vramguard-start-"))
-    for how, prefix in (("python -m app", ""), ("vramguard script", "import app.cli\n")):
+    for how, prefix in (("python -m app", ""), ("vramguard script", "import app.cli.main\n")):
         script = folder / "start.py"
         script.write_text(prefix + _START)
         done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,

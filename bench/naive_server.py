@@ -16,9 +16,9 @@ import torch
 import uvicorn
 from fastapi import FastAPI, Request
 
-from app.imaging import open_image
+from app.imaging.decoding import open_image
+from app.imaging.pixels import model_input
 from app.models import DEFAULT_MODEL, load_model
-from app.pixels import model_input
 
 
 def create_naive_app(model_name: str = DEFAULT_MODEL) -> FastAPI:

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from app.imaging import open_image
+from app.imaging.decoding import open_image
+from app.imaging.pixels import model_input
 from app.models import LoadedModel
-from app.pixels import model_input
 
 
 @dataclass(frozen=True)

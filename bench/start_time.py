@@ -56,12 +56,13 @@ def phases() -> dict[str, float]:
     import torch
 
     marks["import torch"] = time.time()
-    for module in ("app.cli", "app.process_control", "app.server"):  # what serving imports
+    # what serving imports
+    for module in ("app.cli.main", "app.cli.process_control", "app.http.server"):
         importlib.import_module(module)
     from app.config import load_settings
     from app.engine.predictor import Predictor
+    from app.http.server import make_decoder
     from app.models import DEFAULT_MODEL, load_model
-    from app.server import make_decoder
 
     marks["app imports (fastapi, uvicorn, pydantic, ...)"] = time.time()
     settings = load_settings(None)

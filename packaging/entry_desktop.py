@@ -13,7 +13,7 @@ if __name__ == "__main__":
     # A decode worker process is this executable started again: freeze_support() runs the
     # worker and exits, before the command line (and everything it imports) is loaded.
     multiprocessing.freeze_support()
-    from app.cli import windowed_main
+    from app.cli.main import windowed_main
 
     if sys.stdout is None or sys.stderr is None:
         sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process

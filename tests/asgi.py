@@ -29,10 +29,10 @@ from app.config import Settings, load_settings
 from app.engine.batcher import Reservation
 from app.engine.engine import InferenceEngine, Phase, Runtime
 from app.engine.predictor import Prediction, Ranked, Sample
-from app.imaging import Preprocessing
+from app.http.server import create_app
+from app.http.state import AppState
+from app.imaging.decoding import Preprocessing
 from app.models import LoadedModel
-from app.server import create_app
-from app.state import AppState
 
 PORT = 8765
 BASE_URL = f"http://127.0.0.1:{PORT}"

@@ -10,7 +10,7 @@ import pytest
 
 from app.errors import Unauthorized
 from app.gates.admin_token import check_bearer, load_or_create_token
-from app.user_files import check_user_files
+from app.host.user_files import check_user_files
 from tray.client import ApiClient
 
 TOKEN = "s3cret-token"

@@ -25,7 +25,7 @@ from live_server import ROOT, USER_DIRS, free_port
 from starlette.types import Message, Scope
 
 from app.gates.api_key import ApiKeyFileError, ApiKeyGate, load_api_key
-from app.stats import RequestStats
+from app.http.stats import RequestStats
 
 KEY = "k" * 20 + "-3xAmpl3_Key.40chars~"
 HEALTH_CHECKS = ["/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"]

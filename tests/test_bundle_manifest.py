@@ -34,7 +34,7 @@ def load_build():
 
 # What a fake bundle's programs carry: the app, and names that merely begin like ones
 # manifest.toml's [never] lists (which must not count as those).
-MODULES = ["app", "app.server", "app.clustering", "tray", "rayleigh", "redistribute"]
+MODULES = ["app", "app.http.server", "app.clustering", "tray", "rayleigh", "redistribute"]
 
 
 def program(path: Path, modules: list[str]) -> None:

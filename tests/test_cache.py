@@ -17,7 +17,8 @@ import pytest
 from asgi import anyio_backend, built_app, client, make_settings, png  # noqa: F401  (a fixture)
 from small_disk import fill, mounted
 
-from app.cache import (
+from app.engine.predictor import Ranked
+from app.imaging.result_cache import (
     EMBEDDING_MAGIC,
     MAGIC,
     MAX_EMBEDDING_DIM,
@@ -27,7 +28,6 @@ from app.cache import (
     decode_embedding,
     encode_embedding,
 )
-from app.engine.predictor import Ranked
 
 
 def ranked(seed: int) -> Ranked:

@@ -15,8 +15,8 @@ import httpx
 from images import photo
 
 from app.config import load_settings
-from app.server import create_app
-from app.state import AppState
+from app.http.server import create_app
+from app.http.state import AppState
 
 
 async def _classify(client: httpx.AsyncClient, body: bytes) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from live_server import ROOT, live_server
 
-from app.cli import main
+from app.cli.main import main
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

@@ -29,7 +29,7 @@ from asgi import ReadyEngine, built_app, state_of
 from images import encode, photo
 from PIL import Image
 
-from app.cli import main
+from app.cli.main import main
 from app.errors import Overloaded
 from bench.process import ROOT, free_port, server_env
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.cli import main
+from app.cli.main import main
 from app.config import ConfigError, default_config_file, load_settings
 
 

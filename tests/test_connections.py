@@ -19,7 +19,7 @@ import httpx
 import pytest
 from live_server import LiveServer, live_server
 
-from app.connections import connection_cap, listening_socket, overloaded_response
+from app.http.connections import connection_cap, listening_socket, overloaded_response
 
 HEAD_S = 2
 IDLE_S = 2

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 import pytest
 from asgi import anyio_backend, until  # noqa: F401  (anyio_backend is a fixture)
 
-from app.cpu_pool import CpuPool
 from app.errors import DeadlineExceeded, Overloaded
+from app.imaging.cpu_pool import CpuPool
 
 pytestmark = pytest.mark.anyio
 FAR = 60.0  # seconds: a deadline no test reaches

@@ -210,7 +210,7 @@ def test_a_host_pid_is_not_taken_for_this_process(monkeypatch, caplog):
 
 
 def test_doctor_reports_driver_model_and_mig_mode(monkeypatch, capsys):
-    from app import doctor
+    from app.cli import doctor
 
     _cuda, nvml = install_gpu(monkeypatch)
     nvml.driver_model = nvml.module.NVML_DRIVER_WDM

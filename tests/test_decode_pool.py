@@ -22,12 +22,12 @@ import pytest
 from images import encode, photo, scan_bomb
 from PIL import Image
 
-from app.decode_pool import DecodeLimits, DecodePool, DecoderFailed, MemoryBudget, Worker
-from app.decode_worker import READY, TRIM_AFTER_BYTES
 from app.errors import BadImage, DeadlineExceeded, ImageTooComplex, ImageTooLarge, Overloaded
-from app.imaging import open_image
+from app.imaging.decode_pool import DecodeLimits, DecodePool, DecoderFailed, MemoryBudget, Worker
+from app.imaging.decode_worker import READY, TRIM_AFTER_BYTES
+from app.imaging.decoding import open_image
+from app.imaging.pixels import model_input
 from app.models.efficientnet_lite import PREPROCESSING
-from app.pixels import model_input
 
 MIB = 1024**2
 LIMITS = DecodeLimits(max_pixels=40_000_000, max_image_bytes=300 * MIB, cpu_s=1.0,
@@ -242,10 +242,10 @@ def test_close_ends_every_worker() -> None:
 
 
 def test_the_worker_module_loads_neither_torch_nor_numpy() -> None:
-    """A worker imports app.decode_worker; torch would cost each start 1.3 s of CPU and
+    """A worker imports app.imaging.decode_worker; torch would cost each start 1.3 s of CPU and
     660 MiB, numpy 110 ms and 18 MiB."""
     loaded = subprocess.run(
-        [sys.executable, "-c", "import sys, app.decode_worker; print(sorted(m for m in "
+        [sys.executable, "-c", "import sys, app.imaging.decode_worker; print(sorted(m for m in "
          "('torch', 'numpy', 'starlette', 'fastapi') if m in sys.modules))"],
         capture_output=True, text=True, check=True, timeout=60, cwd=Path(__file__).parent.parent)
     assert loaded.stdout.strip() == "[]"
@@ -258,7 +258,7 @@ def test_a_busy_worker_dies_with_the_server() -> None:
     would run on for as long as its crafted image takes."""
     server = subprocess.Popen(
         [sys.executable, "-c", "import time\n"
-         "from app.decode_pool import Worker\n"
+         "from app.imaging.decode_pool import Worker\n"
          "worker = Worker(None)\n"
          "worker.receive(60)\n"
          "print(worker.process.pid, flush=True)\n"

@@ -33,7 +33,7 @@ from app.memory.diagnostics import (
 from app.memory.fit import MemoryFit
 from app.memory.guard import MemoryGuard
 from app.memory.probes import CudaProbe
-from app.metrics import GPU_ONLY_SERIES
+from app.observe.metrics import GPU_ONLY_SERIES
 from app.schemas import MemoryReport
 from tray.client import ApiClient
 from tray.controller import TrayController

@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from app.event_hub import BUFFER, EventHub, NoRoom
+from app.http.live_feed import BUFFER, EventHub, NoRoom
 
 
 def test_slow_subscriber_is_dropped_and_memory_stays_bounded():

@@ -21,9 +21,9 @@ from images import photo
 from live_server import ROOT, USER_DIRS, free_port, live_server
 from small_disk import fill, mounted
 
-from app.cli import main
+from app.cli.main import main
 from app.gates.admin_token import load_or_create_token
-from app.server import create_app
+from app.http.server import create_app
 
 JPEG = {"Content-Type": "image/jpeg"}
 

@@ -6,7 +6,7 @@ import pytest
 
 from app.gates.host_origin import HostOriginGate, split_host
 from app.gates.rate_limit import Rate, RateLimited, RateLimiter, client_key, route_family
-from app.stats import RequestStats
+from app.http.stats import RequestStats
 
 
 class FakeClock:

@@ -30,7 +30,7 @@ from starlette.types import Receive, Scope, Send
 from app.errors import ApiError
 from app.gates.body_limit import BodySizeLimit
 from app.gates.host_origin import HostOriginGate
-from app.stats import RequestStats
+from app.http.stats import RequestStats
 
 pytestmark = pytest.mark.anyio
 LIMIT = 1000  # bytes per body

@@ -25,7 +25,7 @@ from app.memory.guard import GuardState
 from app.schemas import MemoryReport, ProfilePoint, StatsResponse
 
 pytestmark = pytest.mark.anyio
-MEMORY_SERIES = {  # every memory gauge and counter, by hand (not from app.metrics' tables)
+MEMORY_SERIES = {  # every memory gauge and counter, by hand (not from app.observe.metrics' tables)
     "vramguard_device_memory_total_bytes", "vramguard_device_memory_used_bytes",
     "vramguard_device_memory_free_bytes", "vramguard_torch_allocated_bytes",
     "vramguard_torch_reserved_bytes", "vramguard_torch_peak_allocated_bytes",

@@ -22,8 +22,8 @@ from images import (
 from PIL import Image
 
 from app.errors import ImageTooComplex
-from app.image_checks import check_structure
-from app.imaging import open_image
+from app.imaging.checks import check_structure
+from app.imaging.decoding import open_image
 
 LIMIT = 40_000_000
 

@@ -25,9 +25,9 @@ from images import (
 from PIL import Image
 
 from app.errors import BadImage, ImageTooLarge
-from app.imaging import Preprocessing, decode_image, open_image, to_rgb
+from app.imaging.decoding import Preprocessing, decode_image, open_image, to_rgb
+from app.imaging.pixels import model_input, preprocess
 from app.models.efficientnet_lite import PREPROCESSING
-from app.pixels import model_input, preprocess
 
 LIMIT = 40_000_000
 
@@ -158,7 +158,7 @@ def _peak_in_a_fresh_process(path: Path) -> dict[str, int]:
     script = f"""
 import json
 from pathlib import Path
-from app.imaging import Preprocessing, model_patch, open_image
+from app.imaging.decoding import Preprocessing, model_patch, open_image
 def kib(field):  # VmRSS now, VmHWM the peak (ru_maxrss would include the parent's)
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):

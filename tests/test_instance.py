@@ -16,8 +16,8 @@ import psutil
 import pytest
 from live_server import ROOT, free_port, live_server
 
-from app.cli import main
-from app.instance import (
+from app.cli.main import main
+from app.host.instance import (
     InstanceLock,
     instance_folder,
     is_held,
@@ -29,7 +29,7 @@ from app.instance import (
 HOLD = """
 import sys, time
 from pathlib import Path
-from app.instance import InstanceLock
+from app.host.instance import InstanceLock
 lock = InstanceLock(Path(sys.argv[1]), 9999)
 assert lock.acquire("http://127.0.0.1:9999")
 print("held", flush=True)
@@ -239,7 +239,7 @@ def test_stop_ends_the_launcher_before_the_server(tmp_path, monkeypatch, capsys,
 
 def test_the_lock_is_unlocked_before_its_handle_closes_on_windows(tmp_path, monkeypatch):
     """msvcrt exists only on Windows: a stand-in records the calls, in order."""
-    import app.instance as instance
+    import app.host.instance as instance
 
     calls: list[str] = []
 
@@ -261,7 +261,7 @@ def test_the_lock_is_unlocked_before_its_handle_closes_on_windows(tmp_path, monk
 
 
 def test_describing_the_lock_waits_out_an_antivirus(tmp_path, monkeypatch):
-    import app.instance as instance
+    import app.host.instance as instance
 
     refused: list[str] = []
     replace = os.replace

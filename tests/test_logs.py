@@ -8,8 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from app import logs
-from app.logs import RepeatThrottle
+from app.host import logs
+from app.host.logs import RepeatThrottle
 
 
 class Clock:

@@ -13,7 +13,7 @@ import yaml
 from images import photo
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.metrics import GPU_ONLY_SERIES
+from app.observe.metrics import GPU_ONLY_SERIES
 
 pytestmark = pytest.mark.slow
 MONITORING = Path(__file__).parent.parent / "assets" / "monitoring"

@@ -7,10 +7,10 @@ import torch
 import torchvision.models
 from images import photo
 
-from app.imaging import Preprocessing, open_image
+from app.imaging.decoding import Preprocessing, open_image
+from app.imaging.pixels import model_input
 from app.models import LoadedModel, ModelLoadError, available_models, load_model, resolve_weights
 from app.models.efficientnet_lite import PREPROCESSING
-from app.pixels import model_input
 
 CPU = torch.device("cpu")
 MAX_PIXELS = 40_000_000  # the default max_image_pixels

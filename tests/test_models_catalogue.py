@@ -204,7 +204,7 @@ def test_the_shipped_labels_are_torchvisions_and_serving_lite_never_imports_it()
     from app.models.registry import imagenet_labels
 
     assert imagenet_labels() == list(ResNet50_Weights.IMAGENET1K_V1.meta["categories"])
-    code = ("import sys, torch; from app.server import create_app; "
+    code = ("import sys, torch; from app.http.server import create_app; "
             "from app.models import catalogue, load_model; "
             "catalogue(); load_model('efficientnet_lite0', torch.device('cpu')); "
             "print('torchvision' in sys.modules)")

@@ -26,8 +26,8 @@ from PIL import Image
 from app.config import load_settings
 from app.engine.engine import InferenceEngine
 from app.engine.residency import Footprint, needed
-from app.server import create_app
-from app.state import AppState
+from app.http.server import create_app
+from app.http.state import AppState
 
 pytestmark = pytest.mark.slow
 LITE = ("efficientnet_lite0", "efficientnet_lite1", "efficientnet_lite2")

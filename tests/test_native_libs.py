@@ -3,9 +3,9 @@ that cannot load is named with the loader's own reason."""
 
 from __future__ import annotations
 
-import app.native_libs as native_libs
-from app.cli import main
-from app.native_libs import check_cuda_libraries, check_driver, library_dirs
+import app.host.native_libs as native_libs
+from app.cli.main import main
+from app.host.native_libs import check_cuda_libraries, check_driver, library_dirs
 
 
 def test_torchs_cuda_libraries_are_found_and_load_or_need_only_the_driver():
@@ -23,7 +23,7 @@ def test_a_library_that_cannot_load_is_a_problem_doctor_names(tmp_path, monkeypa
     broken = tmp_path / "libcudnn.so.9"
     broken.write_bytes(b"not a shared library, " * 200)
     monkeypatch.setattr(native_libs, "library_dirs", lambda: [tmp_path])
-    monkeypatch.setattr("app.doctor.library_dirs", lambda: [tmp_path])
+    monkeypatch.setattr("app.cli.doctor.library_dirs", lambda: [tmp_path])
     assert main(["doctor"]) == 1
     out = capsys.readouterr().out
     assert "!!   libcudnn.so.9        does not load:" in out

@@ -14,9 +14,9 @@ from images import photo
 from live_server import LiveServer
 
 from app.config import load_settings
-from app.imaging import open_image
+from app.imaging.decoding import open_image
+from app.imaging.pixels import model_input
 from app.models.efficientnet_lite import preprocessing
-from app.pixels import model_input
 
 httpclient = pytest.importorskip("tritonclient.http")
 InferenceServerException = pytest.importorskip("tritonclient.utils").InferenceServerException

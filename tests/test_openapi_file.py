@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from app.api.openapi_file import CONTRACT, render
+from app.http.openapi_file import CONTRACT, render
 
 
 def test_docs_openapi_json_is_up_to_date() -> None:

@@ -58,7 +58,7 @@ def test_the_bundle_has_what_the_stock_hooks_miss_and_not_what_inference_skips(d
     # Nor the cluster extra, even where the build environment has it installed.
     never = tomllib.loads((ROOT / "packaging" / "manifest.toml").read_text())["never"]["modules"]
     modules = set(pkg_archive_contents(str(bundle / "vramguard")))
-    assert "app.server" in modules  # the app's own modules are where this looks
+    assert "app.http.server" in modules  # the app's own modules are where this looks
     assert not {m for m in modules for name in never if m == name or m.startswith(name + ".")}
     assert not [name for name in never if (bundle / "_internal" / Path(*name.split("."))).exists()]
 

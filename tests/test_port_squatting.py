@@ -22,16 +22,16 @@ import pytest
 from live_server import ROOT
 from squatter import EVIL_URL, Squatter, knowing, relay_to, served_app
 
-from app.cli import main
+from app.cli.main import main
 from app.gates.admin_token import load_or_create_token
-from app.instance import InstanceLock, instance_folder
+from app.host.instance import InstanceLock, instance_folder
 from tray.client import ApiClient
 from tray.controller import TrayController
 
 HOLD = """
 import sys, time
 from pathlib import Path
-from app.instance import InstanceLock
+from app.host.instance import InstanceLock
 lock = InstanceLock(Path(sys.argv[1]), int(sys.argv[2]))
 assert lock.acquire(f"http://127.0.0.1:{sys.argv[2]}")
 print("held", flush=True)

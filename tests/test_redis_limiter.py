@@ -274,7 +274,7 @@ def test_secrets_stay_out_of_the_logged_url() -> None:
 
 def fallback_gauge(limiter: Limiter) -> float:
     """vramguard_rate_limit_fallback as an app built around the limiter exports it."""
-    from app.server import create_app
+    from app.http.server import create_app
 
     app = create_app(Settings(), limiter=limiter)
     try:
@@ -380,7 +380,7 @@ def test_a_script_error_is_logged_as_an_error_and_falls_back(
 
 
 def test_from_settings_uses_the_appliances_rates() -> None:
-    from app.server import make_limiter
+    from app.http.server import make_limiter
 
     settings = Settings(redis_url="redis://127.0.0.1:1/0", redis_prefix="vg1", replicas=3,
                         global_burst=10, global_per_s=6.0)

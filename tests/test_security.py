@@ -6,7 +6,7 @@ import pytest
 from images import photo
 from live_server import live_server
 
-from app.cli import main
+from app.cli.main import main
 
 pytestmark = pytest.mark.slow
 JPEG = {"Content-Type": "image/jpeg"}

@@ -26,7 +26,7 @@ PROXY_PORT = 8000
 
 
 def test_the_appliance_never_imports_ray_or_redis():
-    code = ("import sys, app.server, app.cli, app.process_control; "
+    code = ("import sys, app.http.server, app.cli.main, app.cli.process_control; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'ray', 'redis'}))")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                             text=True, timeout=120, check=True)

@@ -164,12 +164,12 @@ def test_an_exception_no_one_caught_is_logged_and_notified(monkeypatch, caplog):
 
 def test_the_windowed_program_logs_an_escaping_exception_instead_of_a_dialog(
         monkeypatch, caplog):
-    import app.cli
+    import app.cli.main
 
     def broken(argv: list[str] | None = None) -> int:
         raise RuntimeError("a bug before the tray started")
 
-    monkeypatch.setattr(app.cli, "main", broken)
+    monkeypatch.setattr(app.cli.main, "main", broken)
     with caplog.at_level("ERROR", logger="vramguard"):
-        assert app.cli.windowed_main([]) == 1
+        assert app.cli.main.windowed_main([]) == 1
     assert "a bug before the tray started" in caplog.text and "Traceback" in caplog.text

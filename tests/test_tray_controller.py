@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from live_server import free_port
 
-from app.cli import main
+from app.cli.main import main
 from tray.client import ApiClient
 from tray.controller import TrayController
 

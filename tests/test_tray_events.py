@@ -18,7 +18,7 @@ import pytest
 from live_server import free_port, live_server
 from test_tray_text import sample
 
-from app.event_hub import MAX_SUBSCRIBERS, EventHub
+from app.http.live_feed import MAX_SUBSCRIBERS, EventHub
 from app.schemas import LiveSample
 from tray.client import ApiClient
 from tray.controller import TrayController

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from live_server import free_port
 
-from app.instance import instance_folder, request_stop
-from app.process_control import ServerOutput
+from app.cli.process_control import ServerOutput
+from app.host.instance import instance_folder, request_stop
 from tray.client import ApiClient
 from tray.controller import TrayController
 
@@ -113,8 +113,8 @@ def test_a_start_failure_with_the_same_cause_twice_is_final(tmp_path):
 def launch(monkeypatch, tmp_path: Path, *extra: str) -> tuple[int, list[ServerOutput]]:
     """`vramguard run` with a stand-in server (it sleeps) and a stand-in tray that sends
     its own process SIGTERM, as `kill` or a session's end does, and waits to be closed."""
-    from app import process_control
-    from app.cli import main
+    from app.cli import process_control
+    from app.cli.main import main
     from tray import app as tray_app
 
     servers: list[ServerOutput] = []
@@ -159,7 +159,7 @@ def test_keep_server_leaves_the_server_running(monkeypatch, tmp_path):
 
 def test_ctrl_break_is_a_clean_stop_on_windows(monkeypatch):
     """Only the choice of signals can be checked here: SIGBREAK exists only on Windows."""
-    from app.process_control import stop_signals
+    from app.cli.process_control import stop_signals
 
     monkeypatch.setattr(sys, "platform", "win32")
     monkeypatch.setattr(signal, "SIGBREAK", 21, raising=False)
@@ -170,7 +170,7 @@ def test_the_port_check_binds_exclusively_on_windows(monkeypatch):
     """With SO_REUSEADDR, Windows lets the same user bind a port in use, so the check saw
     no problem. Only the option chosen can be checked here (the constant exists only on
     Windows); a real busy port on Windows is for the Windows workflow."""
-    from app import process_control
+    from app.cli import process_control
 
     options: list[int] = []
 

@@ -31,8 +31,8 @@ from app.gates.admin_token import (
     identity_proof,
     load_or_create_token,
 )
+from app.host.user_files import reason
 from app.schemas import LiveSample, MemoryReport, StatsResponse
-from app.user_files import reason
 
 DASHBOARD_CODE = re.compile(r"[A-Za-z0-9_-]{16,128}", re.ASCII)
 """What a one-time dashboard code looks like (``secrets.token_urlsafe``); anything else

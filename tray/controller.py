@@ -21,7 +21,7 @@ from urllib.parse import urlparse
 
 from PIL import Image
 
-from app.instance import instance_folder, stop_requested
+from app.host.instance import instance_folder, stop_requested
 from app.memory.guard import GuardState
 from app.schemas import LiveSample
 from app.units import human_bytes

@@ -25,7 +25,7 @@ import time
 import webbrowser
 from pathlib import Path
 
-from app.user_files import create_private, private_folder, reason
+from app.host.user_files import create_private, private_folder, reason
 from tray.client import ApiClient
 
 KEEP_S = 60.0

@@ -11,8 +11,8 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, Field
 
 from app.gates.admin_token import NONCE_BYTES, identity_proof, require_admin
+from app.http.state import state_of
 from app.schemas import ErrorResponse, IdentityProof
-from app.state import state_of
 
 router = APIRouter()
 admin = APIRouter(dependencies=[Depends(require_admin)],

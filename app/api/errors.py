@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse
 
 from app.errors import ApiError, BadRequest, ClientGone, InternalError, MethodNotAllowed, NotFound
 from app.gates import error_response
-from app.state import state_of
+from app.http.state import state_of
 
 log = logging.getLogger("vramguard.server")
 

@@ -7,9 +7,9 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from app.errors import Overloaded
-from app.event_hub import EventHub, NoRoom, Subscriber
 from app.gates.rate_limit import client_key
-from app.state import state_of
+from app.http.live_feed import EventHub, NoRoom, Subscriber
+from app.http.state import state_of
 
 router = APIRouter()
 

@@ -16,13 +16,13 @@ import torch
 from fastapi import Query, Request
 from starlette.datastructures import UploadFile
 
-from app.cache import cache_key
 from app.engine.batcher import Reservation
 from app.engine.predictor import CLASSIFY, EMBED, Ranked, Sample, numerics
 from app.errors import BadRequest, ClientGone, UnsupportedMediaType, too_busy_to_start
 from app.gates.body_limit import body_done
+from app.http.state import AppState, state_of
+from app.imaging.result_cache import cache_key
 from app.models import LoadedModel
-from app.state import AppState, state_of
 
 _NOT_IMAGES = {"image/svg+xml": "SVG drawings", "image/x-icon": "icons"}
 BODY_DOC = {

@@ -15,8 +15,8 @@ from app.config import APP_NAME
 from app.engine.engine import InferenceEngine
 from app.errors import Conflict
 from app.gates.admin_token import require_admin
+from app.http.state import state_of
 from app.schemas import ErrorResponse, MemoryReport
-from app.state import state_of
 
 router = APIRouter()
 admin = APIRouter(dependencies=[Depends(require_admin)],

@@ -15,9 +15,9 @@ from fastapi import APIRouter, Depends, Path, Request
 from app.engine.engine import InferenceEngine, Runtime
 from app.errors import NotFound
 from app.gates.admin_token import require_admin
+from app.http.state import state_of
 from app.models import CatalogueEntry, catalogue
 from app.schemas import BatchFitOut, BatchTimingOut, ErrorResponse, ModelOut, ModelsResponse
-from app.state import state_of
 
 router = APIRouter()
 admin = APIRouter(dependencies=[Depends(require_admin)],

@@ -36,6 +36,7 @@ from app.api.oip_infer import VERSION, serve_inference
 from app.engine.engine import InferenceEngine
 from app.errors import ApiError, BadRequest, NotFound, NotReady
 from app.gates import error_response
+from app.http.state import AppState, state_of
 from app.models import catalogue
 from app.models.features import IMAGENET_CLASSES
 from app.schemas_oip import (
@@ -48,7 +49,6 @@ from app.schemas_oip import (
     ServerMetadata,
     TensorMetadata,
 )
-from app.state import AppState, state_of
 
 router = APIRouter(tags=["Open Inference Protocol (v2)"])
 EXTENSIONS = ["classification", "binary_tensor_data"]

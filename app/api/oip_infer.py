@@ -28,8 +28,8 @@ from app.engine.batcher import Reservation
 from app.engine.predictor import CLASSIFY, EMBED
 from app.errors import ApiError, BadRequest, UnsupportedMediaType
 from app.gates.body_limit import body_done
+from app.http.state import state_of
 from app.models import LoadedModel
-from app.state import state_of
 
 VERSION = "1"  # each model has one version
 T = TypeVar("T")

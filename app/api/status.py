@@ -7,8 +7,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from app.errors import NotReady
+from app.http.state import state_of
 from app.schemas import ErrorResponse, StatsResponse
-from app.state import state_of
 
 router = APIRouter()
 

@@ -64,8 +64,8 @@ from app.errors import (
 )
 from app.gates.body_limit import body_dropped, too_large
 from app.gates.rate_limit import TOKEN_KEY, Decision
+from app.http.state import state_of
 from app.models import LoadedModel
-from app.state import state_of
 
 log = logging.getLogger("vramguard.stream")
 router = APIRouter()

@@ -11,7 +11,7 @@ from pydantic import BaseModel
 
 from app.errors import Unauthorized
 from app.gates.admin_token import require_admin
-from app.state import state_of
+from app.http.state import state_of
 
 router = APIRouter()
 PAGE = Path(__file__).parent.parent / "ui" / "dashboard.html"

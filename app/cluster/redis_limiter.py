@@ -46,7 +46,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from app.config import Settings
 from app.gates.rate_limit import Decision, Rate, RateLimiter
-from app.server import limit_rates
+from app.http.server import limit_rates
 
 log = logging.getLogger("vramguard.cluster")
 SCRIPT = files("app.cluster").joinpath("token_bucket.lua").read_text(encoding="utf-8")

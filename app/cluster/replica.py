@@ -37,8 +37,8 @@ from app.config import Settings
 from app.errors import NotFound
 from app.gates import OIP_PREFIX, refuse
 from app.gates.rate_limit import IMAGE_ROUTES, OIP_INFER, Limiter
-from app.server import app_over, make_state
-from app.state import AppState
+from app.http.server import app_over, make_state
+from app.http.state import AppState
 
 log = logging.getLogger("vramguard.cluster")
 PUBLIC_PATHS = frozenset({"/v1/classify", "/v1/classify/stream", "/v1/embed", "/v1/models",

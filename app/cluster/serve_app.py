@@ -86,7 +86,7 @@ from app.cluster.redis_limiter import RedisLimiter
 from app.cluster.replica import Replica
 from app.config import LOOPBACK_HOSTS, ConfigError, Settings
 from app.engine.engine import InferenceEngine, Phase
-from app.logs import FORMAT, RepeatThrottle
+from app.host.logs import FORMAT, RepeatThrottle
 
 DEPLOYMENT = "vramguard"
 CPU_REPLICA_CPUS = 1  # a CPU replica's default budget: its torch threads and decoders

@@ -7,7 +7,7 @@ from starlette.responses import JSONResponse
 from starlette.types import Receive, Scope, Send
 
 from app.errors import ApiError
-from app.stats import RequestStats
+from app.http.stats import RequestStats
 
 OIP_PREFIX = "/v2"  # the Open Inference Protocol's routes (app/api/oip.py)
 

@@ -40,8 +40,8 @@ from app.errors import Unauthorized
 from app.gates import refuse
 from app.gates.admin_token import check_bearer, token_file_problem, user_profile
 from app.gates.rate_limit import authorization
-from app.stats import RequestStats
-from app.user_files import reason
+from app.host.user_files import reason
+from app.http.stats import RequestStats
 
 MIN_KEY_CHARS = 32
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/v2/health/live", "/v2/health/ready",

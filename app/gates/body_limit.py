@@ -38,7 +38,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app.errors import Overloaded, PayloadTooLarge, RequestTimeout
 from app.gates import refuse
 from app.gates.rate_limit import STREAM_ROUTES, client_key
-from app.stats import RequestStats
+from app.http.stats import RequestStats
 from app.units import human_bytes
 
 DRAIN_FACTOR = 4  # refused bodies up to 4x the size limit are read through, not reset

@@ -32,7 +32,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from app.config import LOOPBACK_HOSTS
 from app.errors import ApiError
 from app.gates import refuse
-from app.stats import RequestStats
+from app.http.stats import RequestStats
 
 OTHER_SITES = frozenset({"cross-site", "same-site"})
 DASHBOARD = "/ui"

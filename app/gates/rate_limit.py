@@ -57,7 +57,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import ApiError
 from app.gates import refuse
-from app.stats import RequestStats
+from app.http.stats import RequestStats
 
 _CLIENT_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _ADMIN_CALLER = "#admin"  # appended to an authenticated caller's key (ids cannot hold '#')

@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-from app.imaging import Preprocessing
+from app.imaging.decoding import Preprocessing
 from app.models.types import ModelLoadError
 
 FAMILY = "efficientnet_lite"

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from app.imaging import Preprocessing
+from app.imaging.decoding import Preprocessing
 from app.models import efficientnet_lite
 from app.models.types import ModelLoadError
 

@@ -28,7 +28,7 @@ from app.memory.guard import GuardState
 from app.schemas import MemoryReport
 
 if TYPE_CHECKING:
-    from app.state import AppState
+    from app.http.state import AppState
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 15, 30)

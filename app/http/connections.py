@@ -20,7 +20,7 @@ from typing import Any, ClassVar, cast
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from app.errors import Overloaded
-from app.stats import RequestStats
+from app.http.stats import RequestStats
 
 log = logging.getLogger("vramguard.connections")
 RETRY_AFTER_S = 1  # most connections end within a second, the rest by the timeouts

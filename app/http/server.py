@@ -17,23 +17,23 @@ from starlette.middleware.cors import CORSMiddleware
 from app import __version__
 from app.api import ROUTERS
 from app.api.errors import install_error_handlers
-from app.cache import ResultCache
 from app.config import Settings
-from app.cpu_pool import CpuPool
-from app.decode_pool import DecodeLimits, DecodePool
 from app.engine.engine import InferenceEngine
 from app.errors import Unauthorized
-from app.event_hub import EventHub
 from app.gates.admin_token import AdminToken, check_bearer, load_or_create_token
 from app.gates.api_key import ApiKeyGate, load_api_key
 from app.gates.body_limit import BodySizeLimit
 from app.gates.host_origin import HostOriginGate
 from app.gates.rate_limit import Limiter, Rate, RateLimiter, RateLimitMiddleware
 from app.gates.ui_session import UiSessions
-from app.metrics import Metrics, MetricsMiddleware
+from app.http.live_feed import EventHub
+from app.http.state import AppState
+from app.http.stats import RequestStats
+from app.imaging.cpu_pool import CpuPool
+from app.imaging.decode_pool import DecodeLimits, DecodePool
+from app.imaging.result_cache import ResultCache
+from app.observe.metrics import Metrics, MetricsMiddleware
 from app.schemas import LiveSample
-from app.state import AppState
-from app.stats import RequestStats
 
 log = logging.getLogger("vramguard.server")
 MONITOR_INTERVAL_S = 1.0

@@ -5,7 +5,7 @@ progressive JPEG may repeat its scans as often as it likes (libjpeg only warns),
 and Pillow walks PNG chunks, GIF blocks and JPEG marker segments one at a time in
 Python. Each walk here stops as soon as a count passes its limit, so the check
 costs little whatever the file holds. The decode worker's CPU limit
-(``app/decode_pool.py``) is the backstop for anything these checks miss.
+(``app/imaging/decode_pool.py``) is the backstop for anything these checks miss.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import psutil
 
-from app.user_files import NO_FOLLOW, private_folder
+from app.host.user_files import NO_FOLLOW, private_folder
 
 if sys.platform == "win32":
     import msvcrt

@@ -25,7 +25,7 @@ import uvicorn
 
 from app import __version__
 from app.config import LOOPBACK_HOSTS, ConfigError, Settings, default_config_file
-from app.instance import (
+from app.host.instance import (
     InstanceLock,
     RunningInstance,
     instance_folder,
@@ -118,12 +118,12 @@ def _port_problem(host: str, port: int) -> str | None:
 
 
 def serve(settings: Settings, launched_by: int | None = None) -> int:
-    from app.connections import connection_limits, guarded_protocol, listening_socket
     from app.engine.device import DeviceError, resolve_device
-    from app.logs import flush_repeats, setup_logging
+    from app.host.logs import flush_repeats, setup_logging
+    from app.host.user_files import check_user_files, reason
+    from app.http.connections import connection_limits, guarded_protocol, listening_socket
+    from app.http.server import create_app
     from app.models import ModelLoadError, resolve_weights
-    from app.server import create_app
-    from app.user_files import check_user_files, reason
 
     if settings.host not in LOOPBACK_HOSTS:
         if not settings.allow_remote:
@@ -199,7 +199,7 @@ def serve(settings: Settings, launched_by: int | None = None) -> int:
     # One access-log line per request only when debugging: a flood would otherwise write
     # thousands a second and rotate the useful log away (/v1/stats counts them instead).
     # The asyncio loop always, never uvloop (which the cluster extra brings along): the
-    # connection limits in app/connections.py are built and tested on asyncio's transports.
+    # connection limits in app/http/connections.py are built and tested on asyncio's transports.
     config = uvicorn.Config(app, host=settings.host, port=settings.port, workers=1,
                             loop="asyncio",
                             log_level=settings.log_level, timeout_graceful_shutdown=graceful_s,

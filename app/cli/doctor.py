@@ -9,7 +9,7 @@ from pathlib import Path
 
 from app import __version__
 from app.config import Settings
-from app.native_libs import check_cuda_libraries, check_driver, check_vc_runtime, library_dirs
+from app.host.native_libs import check_cuda_libraries, check_driver, check_vc_runtime, library_dirs
 
 
 def _line(name: str, value: object, ok: bool = True) -> None:

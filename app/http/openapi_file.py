@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from app.config import load_settings
-from app.server import create_app
+from app.http.server import create_app
 
 CONTRACT = Path(__file__).resolve().parents[2] / "docs" / "openapi.json"
 

@@ -6,17 +6,17 @@ from dataclasses import dataclass
 
 from starlette.requests import HTTPConnection
 
-from app.cache import ResultCache
 from app.config import Settings
-from app.cpu_pool import CpuPool
-from app.decode_pool import DecodePool
 from app.engine.engine import InferenceEngine
-from app.event_hub import EventHub
 from app.gates.admin_token import AdminToken
 from app.gates.rate_limit import Limiter
 from app.gates.ui_session import UiSessions
-from app.metrics import Metrics
-from app.stats import RequestStats
+from app.http.live_feed import EventHub
+from app.http.stats import RequestStats
+from app.imaging.cpu_pool import CpuPool
+from app.imaging.decode_pool import DecodePool
+from app.imaging.result_cache import ResultCache
+from app.observe.metrics import Metrics
 
 
 @dataclass

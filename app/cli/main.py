@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "classify":  # a client of the appliance: no settings of its own
         try:
-            from app.cli_classify import run_classify
+            from app.cli.classify import run_classify
         except ImportError as exc:  # vramguard_client is a package of its own
             print(f"vramguard classify: {exc}; install clients/python (pip install "
                   "./clients/python).", file=sys.stderr)
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"vramguard: {exc}", file=sys.stderr)
         return 2
-    from app.process_control import serve, stop, tray_command
+    from app.cli.process_control import serve, stop, tray_command
 
     if args.command == "serve":
         return serve(settings, args.launched_by)
@@ -167,6 +167,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("tray", "run"):
         return tray_command(settings, start_server=args.command == "run", argv=argv,
                             keep_server=getattr(args, "keep_server", False))
-    from app.doctor import run_doctor
+    from app.cli.doctor import run_doctor
 
     return run_doctor(settings, config_file_in_use(args.config))

@@ -23,7 +23,6 @@ from typing import Any
 import numpy as np
 import psutil
 
-from app.decode_worker import READY, serve
 from app.errors import (
     ApiError,
     BadImage,
@@ -32,8 +31,9 @@ from app.errors import (
     Overloaded,
     too_busy_to_start,
 )
-from app.imaging import Preprocessing
-from app.pixels import normalise
+from app.imaging.decode_worker import READY, serve
+from app.imaging.decoding import Preprocessing
+from app.imaging.pixels import normalise
 
 log = logging.getLogger("vramguard.decode")
 MIN_WAIT_S = 0.005  # the shortest wait between two readings of a decode's CPU time
@@ -175,7 +175,7 @@ class DecodePool:
         client error for a bad image. Blocks the calling thread; ``deadline`` is
         time.monotonic().
 
-        The worker sends the 8-bit crop; it is normalised here (``app/pixels.py``)."""
+        The worker sends the 8-bit crop; it is normalised here (``app/imaging/pixels.py``)."""
         worker = self._ready_worker(deadline)
         try:
             patch = self._run(worker, data, spec, deadline)

@@ -1,7 +1,7 @@
 """Safe decoding of untrusted image bytes into the model's 8-bit crop.
 
-Runs in the decode worker processes (``app/decode_worker.py``), which must start
-fast and small: nothing here may import torch or numpy (``app/pixels.py`` turns the
+Runs in the decode worker processes (``app/imaging/decode_worker.py``), which must start
+fast and small: nothing here may import torch or numpy (``app/imaging/pixels.py`` turns the
 crop into the model's input, in the server). Every failure becomes a client error
 (400, 413 or 422) with a message a person can act on; nothing here may raise
 anything else for bad input.
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from PIL import ExifTags, Image, TiffImagePlugin, UnidentifiedImageError
 
 from app.errors import BadImage, ImageTooLarge
-from app.image_checks import BASE_PIECES, Structure, check_structure, too_complex
+from app.imaging.checks import BASE_PIECES, Structure, check_structure, too_complex
 
 # Only decoders we trust and need; Pillow would otherwise also try formats such
 # as EPS (which runs Ghostscript) on anything it is handed.

@@ -37,7 +37,7 @@ import numpy.typing as npt
 from diskcache.core import MODE_RAW
 
 from app.engine.predictor import Ranked
-from app.user_files import reason
+from app.host.user_files import reason
 
 log = logging.getLogger("vramguard.cache")
 # A full disk, a damaged or locked database.

@@ -1,6 +1,6 @@
 """The decode worker process: opens untrusted images away from the server process.
 
-``app/decode_pool.py`` starts these with the spawn method and kills one whose image
+``app/imaging/decode_pool.py`` starts these with the spawn method and kills one whose image
 takes too long (or that dies), so nothing a decoder does (loop for minutes, allocate gigabytes,
 crash) reaches the server. This module is what a new worker imports: it must
 not import torch (measured: 1.3 s of CPU and 660 MiB per worker), numpy (110 ms,
@@ -27,7 +27,7 @@ import sys
 from multiprocessing.connection import Connection
 
 from app.errors import ApiError
-from app.imaging import Preprocessing, model_patch, open_image
+from app.imaging.decoding import Preprocessing, model_patch, open_image
 from app.memory.trim import trim_heap
 
 READY = "ready"

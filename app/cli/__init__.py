@@ -1,0 +1,2 @@
+"""The command line: the parser and ``main``, ``classify``, ``doctor``, and starting and
+stopping the server and the tray."""
