@@ -1,4 +1,13 @@
-"""Shared fixtures: the tests' own folder on the import path, isolated user folders."""
+"""Shared fixtures and the tiers.
+
+A test's tier is its folder (LitServe's way): ``unit/`` (one module, no server) and
+``inprocess/`` (the app over ``httpx.ASGITransport``) are the fast tier, run on every
+change; ``live/`` (real servers on 127.0.0.1), ``desktop/`` (Xvfb, a tray host, a
+browser), ``packaging/`` (the bundle and the installer) and ``cluster/`` (real Redis
+and Ray) get the markers below from their path, so ``-m`` still selects them. A fast
+folder may not hold a test marked ``slow`` (``unit/test_tiers.py``).
+Helpers live in ``support/``, which is on the import path.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +16,35 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent / "support"))
 from live_server import USER_DIRS
+
+TESTS = Path(__file__).parent
+
+TIER_MARKERS = {
+    "live": ("slow",),
+    "desktop": ("slow", "desktop"),
+    "packaging": ("slow", "packaging"),
+    "cluster": ("slow", "cluster"),
+}
+FAST_TIERS = frozenset({"unit", "inprocess"})
+
+
+def tier_of(path: Path) -> str:
+    """The first folder under tests/ (a test file sits in one)."""
+    return path.resolve().relative_to(TESTS.resolve()).parts[0]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        tier = tier_of(Path(str(item.path)))
+        if tier in FAST_TIERS:
+            continue
+        if tier not in TIER_MARKERS:
+            raise pytest.UsageError(f"{item.nodeid}: tests/{tier}/ is not a tier "
+                                    f"(one of {sorted(FAST_TIERS | set(TIER_MARKERS))})")
+        for marker in TIER_MARKERS[tier]:
+            item.add_marker(marker)
 
 
 @pytest.fixture(autouse=True)

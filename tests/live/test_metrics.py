@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from app.observe.metrics import GPU_ONLY_SERIES
 
 pytestmark = pytest.mark.slow
-MONITORING = Path(__file__).parent.parent / "assets" / "monitoring"
+MONITORING = Path(__file__).resolve().parents[2] / "assets" / "monitoring"
 EXPECTED = {
     "vramguard_device_memory_total_bytes", "vramguard_device_memory_used_bytes",
     "vramguard_device_memory_free_bytes", "vramguard_torch_allocated_bytes",

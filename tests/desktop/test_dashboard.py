@@ -17,7 +17,7 @@ from images import photo
 from live_server import live_server
 
 pytestmark = pytest.mark.slow
-DOCS = Path(__file__).parent.parent / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 webdriver = pytest.importorskip("selenium.webdriver")
 if not (shutil.which("chromium") and shutil.which("chromedriver")):

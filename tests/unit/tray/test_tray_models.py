@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
-from test_tray_text import sample
+from samples import sample
 
 from app.gates.admin_token import identity_proof, load_or_create_token
 from app.schemas import LiveSample

@@ -29,7 +29,7 @@ TOOLS = ("Xvfb", "openbox", "tint2", "xdotool", "xwininfo", "import", "dbus-run-
 if missing := [tool for tool in TOOLS if not shutil.which(tool)]:
     pytest.skip(f"desktop tools not installed: {missing}", allow_module_level=True)
 pytest.importorskip("gi")
-DOCS = Path(__file__).parent.parent / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 GiB = 1024**3
 
 

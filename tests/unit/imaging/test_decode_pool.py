@@ -247,7 +247,8 @@ def test_the_worker_module_loads_neither_torch_nor_numpy() -> None:
     loaded = subprocess.run(
         [sys.executable, "-c", "import sys, app.imaging.decode_worker; print(sorted(m for m in "
          "('torch', 'numpy', 'starlette', 'fastapi') if m in sys.modules))"],
-        capture_output=True, text=True, check=True, timeout=60, cwd=Path(__file__).parent.parent)
+        capture_output=True, text=True, check=True, timeout=60,
+        cwd=Path(__file__).resolve().parents[3])
     assert loaded.stdout.strip() == "[]"
 
 
@@ -263,7 +264,7 @@ def test_a_busy_worker_dies_with_the_server() -> None:
          "worker.receive(60)\n"
          "print(worker.process.pid, flush=True)\n"
          "time.sleep(60)\n"],
-        stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parent.parent)
+        stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[3])
     worker = None
     try:
         assert server.stdout is not None

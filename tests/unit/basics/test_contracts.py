@@ -9,7 +9,7 @@ from pathlib import Path
 from app.memory.guard import GuardState
 from app.schemas import LiveSample, MemoryReport
 
-DASHBOARD = Path(__file__).parent.parent / "app" / "ui" / "dashboard.html"
+DASHBOARD = Path(__file__).resolve().parents[3] / "app" / "ui" / "dashboard.html"
 # `sample.x`, `last.x` and `s.x` are live samples in the page; `s[key]` reads the
 # keys handed to line("...").
 SAMPLE_READ = re.compile(r"\b(?:sample|last|s)\.([a-z_]+)\b")

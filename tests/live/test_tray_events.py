@@ -16,7 +16,7 @@ import httpx
 import live_server as live_server_module
 import pytest
 from live_server import free_port, live_server
-from test_tray_text import sample
+from samples import sample
 
 from app.http.live_feed import MAX_SUBSCRIBERS, EventHub
 from app.schemas import LiveSample

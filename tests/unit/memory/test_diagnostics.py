@@ -16,7 +16,7 @@ import torch
 import yaml
 from asgi import anyio_backend, built_app, client, parse, state_of  # noqa: F401  (a fixture)
 from cuda_standin import GiB, MiB, StandInForward, install_gpu
-from test_tray_text import sample as live_sample
+from samples import sample as live_sample
 from tiny_model import tiny_model
 
 from app.config import load_settings
@@ -39,7 +39,7 @@ from tray.client import ApiClient
 from tray.controller import TrayController
 from tray.text import Notifier, menu_lines, tooltip
 
-ALERTS = Path(__file__).parent.parent / "assets" / "monitoring" / "alerts.yml"
+ALERTS = Path(__file__).resolve().parents[3] / "assets" / "monitoring" / "alerts.yml"
 WEIGHTS = 100 * MiB
 
 

@@ -170,7 +170,7 @@ model_patch(opened, spec)
 print(json.dumps({{"predicted": opened.peak_bytes, "measured": kib("VmHWM") - before}}))
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          check=True, timeout=120, cwd=Path(__file__).parent.parent)
+                          check=True, timeout=120, cwd=Path(__file__).resolve().parents[3])
     result: dict[str, int] = json.loads(done.stdout)
     return result
 

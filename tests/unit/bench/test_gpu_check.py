@@ -33,7 +33,7 @@ from bench.gpu_check import (
 )
 from bench.gpu_check_runner import Skip, Steps, StepSpec, write_json
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 MiB = 1024**2
 # What only a GPU can run; every other step runs on the CPU in the dry mode.
 CUDA_STEPS = {"cuda_context", "snapshot_cost", "pressure_oom"}

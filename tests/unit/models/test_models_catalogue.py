@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torchvision.models
-from test_models import CPU, model_pixels, probabilities
+from model_pixels import CPU, model_pixels, probabilities
 from torch import nn
 
 from app.models import (

@@ -62,7 +62,7 @@ def test_the_engine_reports_why_it_runs_on_the_cpu_and_the_tray_shows_it(monkeyp
     """The log is not where a desktop user looks: the memory report carries the reason,
     and the tray menu says it in a line."""
     from asgi import make_settings
-    from test_tray_text import sample
+    from samples import sample
 
     from app.engine.engine import InferenceEngine
     from tray.text import menu_lines
