@@ -131,3 +131,16 @@ class MethodNotAllowed(ApiError):
 
 class InternalError(ApiError):
     status, code = 500, "internal_error"
+
+
+class RateLimited(ApiError):
+    status, code = 429, "rate_limited"
+
+    def __init__(self, message: str, *, retry_after: float, limit: int, reset: float) -> None:
+        super().__init__(message, retry_after=retry_after)
+        self.limit = limit
+        self.reset = reset
+
+    def headers(self) -> dict[str, str]:
+        return {**super().headers(), "RateLimit-Limit": str(self.limit),
+                "RateLimit-Remaining": "0", "RateLimit-Reset": str(math.ceil(self.reset))}

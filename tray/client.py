@@ -25,7 +25,7 @@ from urllib.parse import quote
 
 import httpx
 
-from app.gates.admin_token import (
+from app.host.token_file import (
     NONCE_BYTES,
     InsecureTokenFile,
     identity_proof,

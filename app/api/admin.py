@@ -10,7 +10,8 @@ import signal
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, Field
 
-from app.gates.admin_token import NONCE_BYTES, identity_proof, require_admin
+from app.gates.admin_token import require_admin
+from app.host.token_file import NONCE_BYTES, identity_proof
 from app.http.state import state_of
 from app.schemas import ErrorResponse, IdentityProof
 

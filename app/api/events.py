@@ -7,8 +7,8 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from app.errors import Overloaded
-from app.gates.rate_limit import client_key
 from app.http.live_feed import EventHub, NoRoom, Subscriber
+from app.http.scope import client_key
 from app.http.state import state_of
 
 router = APIRouter()

@@ -36,7 +36,8 @@ from starlette.types import Message, Receive, Scope, Send
 from app.config import Settings
 from app.errors import NotFound
 from app.gates import OIP_PREFIX, refuse
-from app.gates.rate_limit import IMAGE_ROUTES, OIP_INFER, Limiter
+from app.gates.rate_limit import Limiter
+from app.http.scope import IMAGE_ROUTES, OIP_INFER
 from app.http.server import app_over, make_state
 from app.http.state import AppState
 

@@ -38,9 +38,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from app.config import ConfigError
 from app.errors import Unauthorized
 from app.gates import refuse
-from app.gates.admin_token import check_bearer, token_file_problem, user_profile
-from app.gates.rate_limit import authorization
+from app.gates.admin_token import check_bearer
+from app.host.token_file import token_file_problem, user_profile
 from app.host.user_files import reason
+from app.http.scope import authorization
 from app.http.stats import RequestStats
 
 MIN_KEY_CHARS = 32

@@ -37,7 +37,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import Overloaded, PayloadTooLarge, RequestTimeout
 from app.gates import refuse
-from app.gates.rate_limit import STREAM_ROUTES, client_key
+from app.http.scope import STREAM_ROUTES, client_key
 from app.http.stats import RequestStats
 from app.units import human_bytes
 

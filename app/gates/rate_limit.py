@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 import threading
 import time
 from collections import OrderedDict
@@ -52,24 +51,23 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.errors import ApiError
+from app.errors import RateLimited
 from app.gates import refuse
+from app.http.scope import (
+    ADMIN_CALLER,
+    HANDSHAKES,
+    NOT_GLOBAL,
+    STREAM_ROUTES,
+    TOKEN_KEY,
+    authorization,
+    client_key,
+    route_exists,
+    route_family,
+)
 from app.http.stats import RequestStats
 
-_CLIENT_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-_ADMIN_CALLER = "#admin"  # appended to an authenticated caller's key (ids cannot hold '#')
-HANDSHAKES = frozenset({"/v1/identity", "/v1/ui/session"})
-NOT_GLOBAL = frozenset({"/healthz", "/readyz", "/v1/events", "/v2/health/live",
-                        "/v2/health/ready"})
-# Routes that send images to a model: they share the classify buckets. So does the Open
-# Inference Protocol's infer route, for any model and version (app/api/oip.py).
-STREAM_ROUTES = frozenset({"/v1/classify/stream"})  # many images, a token each (above)
-IMAGE_ROUTES = frozenset({"/v1/classify", "/v1/embed"}) | STREAM_ROUTES
-TOKEN_KEY = "vramguard.take_token"  # in a stream's scope: () -> awaitable Decision, a token
-OIP_INFER = re.compile(r"^/v2/models/[^/]+(?:/versions/[^/]+)?/infer$")
 _EPSILON = 1e-9  # float refill arithmetic must not deny a token that is due
 
 
@@ -111,19 +109,6 @@ class TokenBucket:
 
     def remaining(self) -> int:
         return int(self.tokens)
-
-
-class RateLimited(ApiError):
-    status, code = 429, "rate_limited"
-
-    def __init__(self, message: str, *, retry_after: float, limit: int, reset: float) -> None:
-        super().__init__(message, retry_after=retry_after)
-        self.limit = limit
-        self.reset = reset
-
-    def headers(self) -> dict[str, str]:
-        return {**super().headers(), "RateLimit-Limit": str(self.limit),
-                "RateLimit-Remaining": "0", "RateLimit-Reset": str(math.ceil(self.reset))}
 
 
 @dataclass(frozen=True)
@@ -222,44 +207,6 @@ async def _free() -> Decision:
     return Decision(True, 0, 0, 0.0)
 
 
-def route_family(method: str, path: str) -> str:
-    """classify, admin (state-changing /v1 calls) or read (everything else), by the
-    request's shape alone (also the metrics' label); ``RateLimitMiddleware`` charges
-    only requests for routes that exist."""
-    if path in IMAGE_ROUTES or OIP_INFER.match(path):
-        return "classify"
-    if method == "POST" and path.startswith("/v1/"):
-        return "admin"
-    return "read"
-
-
-def route_exists(scope: Scope) -> bool:
-    """Whether the app has a route for this path and method: anything else is answered
-    404 or 405 without any work, so it is not charged. (Starlette puts the app in the
-    scope before its middleware runs; without one, every request counts.)"""
-    routes = getattr(getattr(scope.get("app"), "router", None), "routes", None)
-    if routes is None:
-        return True
-    return any(route.matches(scope)[0] is Match.FULL for route in routes)
-
-
-def client_key(scope: Scope) -> str:
-    peer = scope.get("client") or ("unknown", 0)
-    for name, value in scope["headers"]:
-        if name == b"x-client-id":
-            claimed = value.decode("latin-1")
-            if _CLIENT_ID.match(claimed):
-                return f"{peer[0]}/{claimed}"
-    return str(peer[0])
-
-
-def authorization(scope: Scope) -> str:
-    for name, value in scope["headers"]:
-        if name == b"authorization":
-            return bytes(value).decode("latin-1")
-    return ""
-
-
 class RateLimitMiddleware:
     """ASGI middleware: 429 before anything else is done for a request over its rate; each
     refusal is counted in ``stats``. ``is_admin`` says whether an Authorization header
@@ -283,7 +230,7 @@ class RateLimitMiddleware:
         client = client_key(scope)
         header = authorization(scope)
         if header and self.is_admin(header):
-            return self.limiter.acquire(family, client + _ADMIN_CALLER,
+            return self.limiter.acquire(family, client + ADMIN_CALLER,
                                         shared=family == "classify", counted=counted)
         return self.limiter.acquire(family, client, shared=path not in NOT_GLOBAL,
                                     counted=counted)

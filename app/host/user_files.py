@@ -17,7 +17,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.gates.admin_token import InsecureTokenFile, load_or_create_token
+from app.host.token_file import InsecureTokenFile, load_or_create_token
 
 PROBE_BYTES = 64 * 1024  # a small write that a full disk refuses
 NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0)  # POSIX; Windows has no such flag (nor the attack)

@@ -25,8 +25,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api.events import EventStream
 from app.config import ConfigError, load_settings
-from app.gates.rate_limit import route_exists
 from app.http.live_feed import MAX_STREAMS_PER_CLIENT, MAX_SUBSCRIBERS, EventHub
+from app.http.scope import route_exists
 
 pytestmark = pytest.mark.anyio
 PNG = {"Content-Type": "image/png"}

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from app.errors import Unauthorized
-from app.gates.admin_token import check_bearer, load_or_create_token
+from app.gates.admin_token import check_bearer
+from app.host.token_file import load_or_create_token
 from app.host.user_files import check_user_files
 from tray.client import ApiClient
 
@@ -96,7 +97,7 @@ def test_a_token_other_users_can_read_is_refused_with_the_fix(tmp_path: Path, mo
 def test_on_windows_the_token_must_be_in_the_users_own_profile(tmp_path: Path) -> None:
     """Windows has no mode bits to read: a token file is private when it lies in the
     user's own profile folder (whose access list only the user and the system share)."""
-    from app.gates.admin_token import token_file_problem
+    from app.host.token_file import token_file_problem
 
     profile = tmp_path / "Users" / "ada"
     inside = profile / "AppData" / "Local" / "vramguard" / "admin-token"

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from app.errors import RateLimited
 from app.gates.host_origin import HostOriginGate, split_host
-from app.gates.rate_limit import Rate, RateLimited, RateLimiter, client_key, route_family
+from app.gates.rate_limit import Rate, RateLimiter
+from app.http.scope import client_key, route_family
 from app.http.stats import RequestStats
 
 

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from samples import sample
 
-from app.gates.admin_token import identity_proof, load_or_create_token
+from app.host.token_file import identity_proof, load_or_create_token
 from app.schemas import LiveSample
 from tray.app import TrayView, build_menu, load_pystray
 from tray.client import ApiClient
