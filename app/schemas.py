@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import enum
+
 from pydantic import BaseModel, Field
 
-from app.memory.guard import GuardState
+
+class GuardState(enum.StrEnum):
+    """The memory guard's watermark state (``app/memory/guard.py`` moves it): part of the
+    contract, since the tray and the dashboard colour by it."""
+
+    OK = "ok"
+    HIGH = "high"
+    SHEDDING = "shedding"
 
 
 class PredictionOut(BaseModel):

@@ -31,8 +31,9 @@ import psutil
 from PIL import Image
 
 from app.imaging.decode_pool import DecodeLimits, DecodePool
-from app.imaging.decoding import Preprocessing, open_image
+from app.imaging.decoding import open_image
 from app.imaging.pixels import model_input
+from app.preprocessing import Preprocessing
 from bench.process import ROOT, free_port, running, server_env
 
 sys.path.insert(0, str(ROOT / "tests"))

@@ -22,8 +22,7 @@ from urllib.parse import urlparse
 from PIL import Image
 
 from app.host.instance import instance_folder, stop_requested
-from app.memory.guard import GuardState
-from app.schemas import LiveSample
+from app.schemas import GuardState, LiveSample
 from app.units import human_bytes
 from tray.client import ApiClient, NotVramguard, Refused, ServerDown
 from tray.dashboard import DashboardOpener

@@ -22,8 +22,7 @@ from typing import Protocol
 
 import httpx
 
-from app.memory.guard import GuardState
-from app.schemas import LiveSample
+from app.schemas import GuardState, LiveSample
 
 log = logging.getLogger("vramguard.tray")
 BACKOFF_S = (1.0, 2.0, 5.0, 10.0)

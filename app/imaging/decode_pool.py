@@ -32,8 +32,8 @@ from app.errors import (
     too_busy_to_start,
 )
 from app.imaging.decode_worker import READY, serve
-from app.imaging.decoding import Preprocessing
 from app.imaging.pixels import normalise
+from app.preprocessing import Preprocessing
 
 log = logging.getLogger("vramguard.decode")
 MIN_WAIT_S = 0.005  # the shortest wait between two readings of a decode's CPU time

@@ -27,8 +27,9 @@ import sys
 from multiprocessing.connection import Connection
 
 from app.errors import ApiError
-from app.imaging.decoding import Preprocessing, model_patch, open_image
+from app.imaging.decoding import model_patch, open_image
 from app.memory.trim import trim_heap
+from app.preprocessing import Preprocessing
 
 READY = "ready"
 MIB = 1024**2

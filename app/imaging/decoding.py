@@ -25,6 +25,7 @@ from PIL import ExifTags, Image, TiffImagePlugin, UnidentifiedImageError
 
 from app.errors import BadImage, ImageTooLarge
 from app.imaging.checks import BASE_PIECES, Structure, check_structure, too_complex
+from app.preprocessing import Preprocessing
 
 # Only decoders we trust and need; Pillow would otherwise also try formats such
 # as EPS (which runs Ghostscript) on anything it is handed.
@@ -52,19 +53,6 @@ _TIFF_ROWS_PER_STRIP, _TIFF_TILE_WIDTH, _TIFF_TILE_LENGTH = 278, 322, 323
 # Beside the picture and the band copies: the small output, the decoders' own buffers and
 # the allocator's slack (measured: up to 7 MiB for a 40-megapixel float TIFF).
 _SLACK_BYTES = 10 * 1024**2
-
-
-@dataclass(frozen=True)
-class Preprocessing:
-    """How a model wants its input: resize the short side, centre-crop, normalise.
-
-    ``mean`` and ``std`` are in 0-255 pixel units, per RGB channel.
-    """
-
-    resize: int
-    crop: int
-    mean: tuple[float, float, float]
-    std: tuple[float, float, float]
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 from PIL import Image
 
-from app.imaging.decoding import Opened, Preprocessing, model_patch
+from app.imaging.decoding import Opened, model_patch
+from app.preprocessing import Preprocessing
 
 
 def normalise(patch: bytes, spec: Preprocessing) -> np.ndarray:

@@ -9,7 +9,6 @@ whole budget instead would put every full batch over the watermark.
 
 from __future__ import annotations
 
-import enum
 import logging
 import math
 import threading
@@ -17,15 +16,10 @@ from dataclasses import dataclass, replace
 
 from app.memory.budget import Budget
 from app.memory.fit import MemoryFit
+from app.schemas import GuardState
 from app.units import human_bytes
 
 log = logging.getLogger("vramguard.memory")
-
-
-class GuardState(enum.StrEnum):
-    OK = "ok"
-    HIGH = "high"
-    SHEDDING = "shedding"
 
 
 @dataclass

@@ -17,8 +17,8 @@ from typing import Any
 
 from torch import nn
 
-from app.imaging.decoding import Preprocessing
 from app.models.types import ModelLoadError
+from app.preprocessing import Preprocessing
 
 FAMILY = "efficientnet_lite"
 INCEPTION_MEAN = (127.0, 127.0, 127.0)

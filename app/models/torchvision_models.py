@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from app.imaging.decoding import Preprocessing
 from app.models import efficientnet_lite
 from app.models.types import ModelLoadError
+from app.preprocessing import Preprocessing
 
 FAMILY = "torchvision"
 

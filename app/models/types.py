@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from app.imaging.decoding import Preprocessing
+from app.preprocessing import Preprocessing
 
 
 class ModelLoadError(Exception):

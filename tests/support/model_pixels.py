@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 from images import photo
 
-from app.imaging.decoding import Preprocessing, open_image
+from app.imaging.decoding import open_image
 from app.imaging.pixels import model_input
 from app.models import LoadedModel
+from app.preprocessing import Preprocessing
 
 CPU = torch.device("cpu")
 MAX_PIXELS = 40_000_000  # the default max_image_pixels

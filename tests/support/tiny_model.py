@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from app.imaging.decoding import Preprocessing
 from app.models import LoadedModel
+from app.preprocessing import Preprocessing
 
 
 def tiny_model() -> LoadedModel:
