@@ -24,35 +24,25 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import csv
-import io
 import json
 import secrets
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 from urllib.parse import urlencode, urlsplit
 
 import h11
-import httpx
 from rich.console import Console
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
     Progress,
-    ProgressColumn,
-    Task,
     TextColumn,
     TimeRemainingColumn,
 )
-from rich.text import Text
 from vramguard_client import (
     DeadlineExceeded,
     InsufficientMemory,
@@ -63,6 +53,8 @@ from vramguard_client import (
 )
 
 from app import __version__
+from app.cli.classify_output import ImagesPerSecond, Output, Tally
+from app.cli.temporary_server import StartFailed, TemporaryServer, answers
 
 IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif",
                             ".tiff", ".jfif"})
@@ -72,84 +64,8 @@ RETRIED = frozenset(c.code for c in (RateLimited, Overloaded, DeadlineExceeded, 
 ROUNDS = 4  # the first stream and three more for the images worth another try
 STREAM_FILES = 1000  # files per stream request (and below, bytes): well under the
 STREAM_BYTES = 512 * 1024**2  # server's max_stream_bytes (2 GiB by default)
-READY_TIMEOUT_S = 600  # a first start on Windows can take minutes (README)
 CLIENT_ID = "vramguard-classify"  # its own rate bucket: other local apps keep theirs
 INTERRUPTED = 130  # the shell's status for a program ended by Ctrl-C
-
-
-@dataclass
-class Tally:
-    """What happened so far (kept outside the event loop: Ctrl-C ends that first)."""
-
-    total: int
-    ok: int = 0
-    failed: int = 0
-    skipped: int = 0
-    started: float = field(default_factory=time.monotonic)
-
-    @property
-    def done(self) -> int:
-        return self.ok + self.failed + self.skipped
-
-    def summary(self, stopped: bool) -> str:
-        took = time.monotonic() - self.started
-        rate = (self.ok + self.failed) / took if took > 0 else 0.0
-        head = (f"Stopped after {self.done} of {self.total} images" if stopped
-                else f"Done: {self.total} images")
-        return (f"{head}: {self.ok} tagged, {self.failed} failed, {self.skipped} skipped, "
-                f"in {took:.1f} s ({rate:.1f} images/s).")
-
-
-class Output:
-    """One result per image in the chosen format, written as it comes."""
-
-    def __init__(self, kind: str, top_k: int, embed: bool,
-                 write: Callable[[str], None]) -> None:
-        self.kind, self.top_k, self.embed, self._write = kind, top_k, embed, write
-        if kind == "csv":
-            header = ["path", "model"]
-            for rank in range(1, top_k + 1):
-                header += [f"label_{rank}", f"score_{rank}"]
-            header += ["error"] + (["embedding"] if embed else [])
-            self._row(header)
-
-    def _row(self, cells: Sequence[object]) -> None:
-        out = io.StringIO()
-        csv.writer(out, lineterminator="").writerow(cells)
-        self._write(out.getvalue())
-
-    def result(self, path: Path, answer: dict[str, Any]) -> None:
-        predictions = answer["predictions"]
-        if self.kind == "json":
-            record = {"path": str(path), "model": answer["model"],
-                      "predictions": predictions, "cached": answer["cached"]}
-            if "embedding" in answer:
-                record["embedding"] = answer["embedding"]
-            self._write(json.dumps(record))
-        elif self.kind == "csv":
-            cells: list[object] = [path, answer["model"]]
-            for rank in range(self.top_k):
-                found = predictions[rank] if rank < len(predictions) else None
-                cells += [found["label"], f"{found['score']:.6f}"] if found else ["", ""]
-            cells.append("")
-            if self.embed:
-                cells.append(" ".join(str(v) for v in answer.get("embedding", [])))
-            self._row(cells)
-        else:
-            labels = ", ".join(f"{p['label']} {p['score']:.1%}" for p in predictions)
-            features = f" ({answer['dimensions']} features)" if "dimensions" in answer else ""
-            self._write(f"{path}: {labels}{features}")
-
-    def failure(self, path: Path, error: dict[str, Any]) -> None:
-        text = f"{error['code']}: {error['message']}"
-        if self.kind == "json":
-            self._write(json.dumps({"path": str(path), "error": {
-                "code": error["code"], "message": error["message"]}}))
-        elif self.kind == "csv":
-            self._row([path, "", *([""] * (2 * self.top_k)), text,
-                       *([""] if self.embed else [])])
-        else:
-            self._write(f"{path}: FAILED {text}")
 
 
 def find_images(names: Sequence[str], recursive: bool,
@@ -336,70 +252,6 @@ class Streamer:
             yield {"error": {**error, "retry_after": float(retry_after or 1)}}
 
 
-class TemporaryServer:
-    """A vramguard started for this run (on a free port) and stopped at its end."""
-
-    def __init__(self, model: str | None) -> None:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = int(probe.getsockname()[1])
-        self.url = f"http://127.0.0.1:{self.port}"
-        frozen = getattr(sys, "frozen", False)  # the bundle's executable is the command
-        command = [sys.executable, *([] if frozen else ["-m", "app"]), "serve",
-                   "--port", str(self.port), *(["--model", model] if model else [])]
-        # Its output, for when it fails to start; closed in stop(), as long as it runs.
-        self.log: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115
-        # Its own process group (Windows) or session: the terminal's Ctrl-C is ours to
-        # handle; we stop it.
-        self.process = subprocess.Popen(
-            command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-            creationflags=getattr(subprocess, "CREATE_NEW_PROCESS_GROUP", 0))
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise Fatal(f"the vramguard started for this run stopped:\n{self.tail()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
-                    return
-            time.sleep(0.5)
-        raise Fatal(f"the vramguard started for this run was not ready in "
-                    f"{READY_TIMEOUT_S} s:\n{self.tail()}")
-
-    def tail(self) -> str:
-        self.log.seek(0)
-        return "\n".join(self.log.read().decode("utf-8", "replace").splitlines()[-15:])
-
-    def stop(self) -> None:
-        """Ask it to finish (SIGTERM, Ctrl+Break on Windows); end it if it does not."""
-        if self.process.poll() is None:
-            if sys.platform == "win32":
-                self.process.send_signal(signal.CTRL_BREAK_EVENT)
-            else:
-                self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.log.close()
-
-
-def _answers(url: str) -> bool:
-    try:
-        httpx.get(f"{url}/healthz", timeout=3)
-    except httpx.HTTPError:
-        return False
-    return True
-
-
-class ImagesPerSecond(ProgressColumn):
-    def render(self, task: Task) -> Text:
-        speed = task.finished_speed or task.speed
-        return Text(f"{speed:.1f} images/s" if speed else "- images/s")
-
-
 def run_classify(args: argparse.Namespace) -> int:
     """The command: the status it exits with (see ``app.cli``)."""
     console = Console(stderr=True, highlight=False)
@@ -420,11 +272,14 @@ def run_classify(args: argparse.Namespace) -> int:
         url = args.url or find_server().url
         if not paths:
             warn("no images to tag.")
-        elif not args.url and not _answers(url):
+        elif not args.url and not answers(url):
             warn("no vramguard is running; starting one for this run (it stops at the end; "
                  "a first start can take a minute).")
             server = TemporaryServer(args.model)
-            server.wait_ready()
+            try:
+                server.wait_ready()
+            except StartFailed as exc:
+                raise Fatal(str(exc)) from None
             url = server.url
             warn(f"started at {url}.")
         if paths:
