@@ -58,7 +58,7 @@ class DecodeLimits:
     max_body_bytes: int  # the largest upload, which a worker must be able to receive
 
 
-class MemoryBudget:
+class DecodeReservations:
     """Bytes that decodes in flight have reserved (their predicted peaks), against a total."""
 
     def __init__(self, total: int) -> None:
@@ -154,7 +154,7 @@ class DecodePool:
     def __init__(self, workers: int, limits: DecodeLimits, budget_bytes: int) -> None:
         self.workers = workers
         self.limits = limits
-        self.budget = MemoryBudget(budget_bytes)
+        self.reservations = DecodeReservations(budget_bytes)
         self.memory_allowance = limits.max_image_bytes + limits.max_body_bytes + _SLACK_BYTES
         self.replaced = 0  # processes killed or lost, each replaced by a fresh one
         self._idle: list[Worker] = []
@@ -224,13 +224,13 @@ class DecodePool:
              deadline: float) -> bytes:
         used_before = worker.cpu_seconds()
         granted = min(PREGRANT_BYTES, self.limits.max_image_bytes)
-        if not self.budget.reserve(granted):
+        if not self.reservations.reserve(granted):
             granted = 0  # the budget is busy: this image asks for its own peak
         try:
             worker.send((data, self.limits.max_pixels, spec, granted))
             kind, value = self._answer(worker, used_before, deadline)
         finally:
-            self.budget.release(granted)
+            self.reservations.release(granted)
         if kind == "plan":
             peak = int(value)
             refusal = self._refusal(peak)
@@ -240,7 +240,7 @@ class DecodePool:
             try:
                 kind, value = self._answer(worker, used_before, deadline)
             finally:
-                self.budget.release(peak)
+                self.reservations.release(peak)
         if kind == "done" and isinstance(value, bytes):
             return value
         if kind == "error" and isinstance(value, ApiError):
@@ -256,12 +256,12 @@ class DecodePool:
                 f"Opening this image would need about {peak / MIB:.0f} MiB of memory; one "
                 f"image may use {allowed / MIB:.0f} MiB (the max_image_memory setting). "
                 "Send a smaller image.")
-        if peak > self.budget.total:
+        if peak > self.reservations.total:
             return ImageTooLarge(
                 f"Opening this image would need about {peak / MIB:.0f} MiB of memory, more "
-                f"than all images together may use ({self.budget.total / MIB:.0f} MiB, the "
+                f"than all images together may use ({self.reservations.total / MIB:.0f} MiB, the "
                 "decode_memory_budget setting). Send a smaller image.")
-        if not self.budget.reserve(peak):
+        if not self.reservations.reserve(peak):
             return Overloaded("vramguard is busy opening other large images and has no "
                               "memory to spare for this one right now. Try again shortly.",
                               retry_after=1)

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from asgi import (  # noqa: F401  (anyio_backend is a fixture)
-    anyio_backend,
+from asgi import (
     built_app,
     client,
     error_message,
@@ -74,7 +73,7 @@ async def test_large_images_beyond_the_decode_budget_get_503_before_decoding(
     while a small one still fits."""
     with built_app(tmp_path, ready=True, rate_limit=False,
                    decode_memory_budget="100MiB") as app:
-        budget = state_of(app).decoder.budget
+        budget = state_of(app).decoder.reservations
         assert budget.reserve(70 * MIB)  # large images already being opened
         async with client(app) as http:
             large = await http.post("/v1/classify", content=scan_bomb(4000, 2000, 150),

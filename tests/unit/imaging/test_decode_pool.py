@@ -23,7 +23,13 @@ from images import encode, photo, scan_bomb
 from PIL import Image
 
 from app.errors import BadImage, DeadlineExceeded, ImageTooComplex, ImageTooLarge, Overloaded
-from app.imaging.decode_pool import DecodeLimits, DecodePool, DecoderFailed, MemoryBudget, Worker
+from app.imaging.decode_pool import (
+    DecodeLimits,
+    DecodePool,
+    DecodeReservations,
+    DecoderFailed,
+    Worker,
+)
 from app.imaging.decode_worker import READY, TRIM_AFTER_BYTES
 from app.imaging.decoding import open_image
 from app.imaging.pixels import model_input
@@ -71,7 +77,7 @@ def test_the_pool_gives_the_same_pixels_as_decoding_here() -> None:
                        PREPROCESSING)
     assert pixels.dtype == np.float32 and pixels.shape == (3, 224, 224)
     assert np.array_equal(pixels, here) and np.array_equal(again, here)
-    assert pool.replaced == 0 and pool.budget.used == 0
+    assert pool.replaced == 0 and pool.reservations.used == 0
 
 
 def test_a_bad_image_is_a_client_error_and_the_worker_stays() -> None:
@@ -101,7 +107,7 @@ def test_a_decode_past_its_cpu_limit_is_stopped_and_the_worker_replaced() -> Non
             pool.decode(slow_jpeg(), PREPROCESSING, deadline())
         assert stopped.value.status == 422
         assert not worker.process.is_alive() and pool.replaced == 1
-        assert pool.budget.used == 0  # its reservation was given back
+        assert pool.reservations.used == 0  # its reservation was given back
         assert pool.decode(photo(), PREPROCESSING, deadline()).shape == (3, 224, 224)
 
 
@@ -205,26 +211,26 @@ def test_an_image_predicted_over_the_limit_is_refused_before_decoding() -> None:
     with decode_pool(small) as pool:
         with pytest.raises(ImageTooLarge, match="max_image_memory"):
             pool.decode(slow_jpeg(), PREPROCESSING, deadline())  # predicted 41 MiB
-        assert pool.replaced == 0 and pool.budget.used == 0
+        assert pool.replaced == 0 and pool.reservations.used == 0
 
 
 def test_images_that_do_not_fit_the_budget_are_refused_at_once() -> None:
     with decode_pool(budget=100 * MIB) as pool:
-        assert pool.budget.reserve(70 * MIB)  # other large images in flight
+        assert pool.reservations.reserve(70 * MIB)  # other large images in flight
         with pytest.raises(Overloaded) as busy:
             pool.decode(slow_jpeg(), PREPROCESSING, deadline())  # needs 41 MiB
         assert busy.value.status == 503 and busy.value.retry_after == 1
         assert pool.decode(photo(), PREPROCESSING, deadline()).shape == (3, 224, 224)
-        pool.budget.release(70 * MIB)
+        pool.reservations.release(70 * MIB)
         pool.decode(slow_jpeg(), PREPROCESSING, deadline())
-        assert pool.budget.used == 0
+        assert pool.reservations.used == 0
     with decode_pool(budget=30 * MIB) as pool, pytest.raises(ImageTooLarge,
                                                              match="decode_memory_budget"):
         pool.decode(slow_jpeg(), PREPROCESSING, deadline())
 
 
 def test_the_budget_counts_what_is_reserved() -> None:
-    budget = MemoryBudget(100)
+    budget = DecodeReservations(100)
     assert budget.reserve(60) and not budget.reserve(41) and budget.reserve(40)
     budget.release(60)
     assert budget.used == 40
