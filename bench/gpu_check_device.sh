@@ -3,7 +3,7 @@
 # check from the working tree, and leave the JSON and the log in $OUT (or bench/results).
 #
 #   here:  python -m bench.gpu_check --prepare
-#   there: bash bench/gpu_check_device.sh      (carry: bench/results/gpu-wheels)
+#   there: bash bench/gpu_check_device.sh   (carry: bench/results/gpu-wheels)
 #
 # The project's requires-python (3.11) refuses an install on that machine's Python 3.12,
 # so nothing is installed from the project: the wheels go into a private folder with

@@ -20,8 +20,9 @@ import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+T = TypeVar("T")
 STICKY = ("illegal memory access", "unspecified launch failure", "device-side assert",
           "misaligned address", "illegal instruction")
 
@@ -68,7 +69,7 @@ def is_sticky(exc: BaseException) -> bool:
     return any(mark in message for mark in STICKY)
 
 
-def part(out: dict[str, Any], key: str, fn: Callable[[], Any]) -> Any:
+def part(out: dict[str, Any], key: str, fn: Callable[[], T]) -> T | None:
     """One optional reading: its value, or its error in its place. Never raises: a driver
     that does not support one query must not cost the others."""
     try:

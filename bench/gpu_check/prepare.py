@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WHEEL_DIR = ROOT / "bench" / "results" / "gpu-wheels"  # bench/results/ is git-ignored
 MiB = 1024**2
 CARRY_LIMIT = 64 * MiB  # what one device call may bring: working tree and wheels together
