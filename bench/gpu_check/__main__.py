@@ -1,7 +1,7 @@
 """One GPU run that answers every open question about vramguard's CUDA paths.
 
     python -m bench.gpu_check --prepare           # here: the wheels the GPU machine lacks
-    bash bench/gpu_check_device.sh             # there: install them, run, JSON + log to $OUT
+    bash bench/gpu_check_device.sh                # there: install them, run, JSON + log to $OUT
     python -m bench.gpu_check --out /tmp/c.json   # without a GPU: the dry mode CI runs
 
 A GPU is lent for minutes, once, so a run must never be lost: every step is
