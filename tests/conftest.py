@@ -47,6 +47,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(marker)
 
 
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    """Run ``@pytest.mark.anyio`` tests on asyncio only (trio is installed, the app is not
+    written for it)."""
+    return "asyncio"
+
+
 @pytest.fixture(autouse=True)
 def _isolated_user_dirs(tmp_path_factory, monkeypatch):
     """Never read or write the real user's config, cache or logs."""

@@ -15,17 +15,17 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import TypeVar
 
 import pytest
-from redis_fixture import RedisServer, redis_server  # noqa: F401 (a fixture)
+from redis_fixture import RedisServer
 
 from app.config import Settings
-from app.gates.rate_limit import Decision, Limiter, Rate, RateLimited, RateLimiter
+from app.errors import RateLimited
+from app.gates.rate_limit import Decision, Limiter, Rate, RateLimiter
 
 redis = pytest.importorskip("redis", reason="the redis package is missing: pip install -e "
                             "'.[cluster]'")
 from app.cluster import redis_limiter  # noqa: E402 (needs redis)
 from app.cluster.redis_limiter import RedisLimiter, without_secrets  # noqa: E402
 
-pytestmark = pytest.mark.cluster
 T = TypeVar("T")
 SLOW = 0.01  # tokens per second: no refill within a test, however slow the machine
 LOGGER = "vramguard.cluster"
@@ -73,7 +73,7 @@ def limiters(request: pytest.FixtureRequest) -> Limiters:
 
 
 @pytest.fixture
-def shared(redis_server: RedisServer) -> Limiters:  # noqa: F811 (the imported fixture)
+def shared(redis_server: RedisServer) -> Limiters:
     return Limiters(redis_server)
 
 
@@ -195,7 +195,7 @@ def test_a_family_without_a_rate_is_free(limiters: Limiters) -> None:
 # Redis only
 
 
-def test_replicas_never_share_out_more_than_the_global_bucket(redis_server: RedisServer  # noqa: F811
+def test_replicas_never_share_out_more_than_the_global_bucket(redis_server: RedisServer
                                                               ) -> None:
     """Three limiters (replicas), each on its own thread and loop, 50 concurrent requests
     each from distinct clients, against a global bucket of 20 that does not refill."""
@@ -222,7 +222,7 @@ def test_replicas_never_share_out_more_than_the_global_bucket(redis_server: Redi
 
 
 def test_keys_carry_prefix_family_client_and_expire_when_idle(shared: Limiters,
-                                                            redis_server: RedisServer  # noqa: F811
+                                                            redis_server: RedisServer
                                                             ) -> None:
     store = raw(redis_server)
 
@@ -247,7 +247,7 @@ def test_keys_carry_prefix_family_client_and_expire_when_idle(shared: Limiters,
 
 
 def test_the_script_is_loaded_once_and_called_by_sha(shared: Limiters,
-                                                     redis_server: RedisServer  # noqa: F811
+                                                     redis_server: RedisServer
                                                      ) -> None:
     async def scenario() -> None:
         first, second = shared.make(5, SLOW), shared.make(5, SLOW)
@@ -294,7 +294,7 @@ def quick_retry(monkeypatch: pytest.MonkeyPatch) -> Iterator[float]:
 
 
 def test_an_unreachable_redis_falls_back_to_a_local_share_and_comes_back(
-        shared: Limiters, redis_server: RedisServer,  # noqa: F811
+        shared: Limiters, redis_server: RedisServer,
         caplog: pytest.LogCaptureFixture, quick_retry: float) -> None:
     caplog.set_level(logging.INFO, LOGGER)
 
@@ -333,7 +333,7 @@ def test_an_unreachable_redis_falls_back_to_a_local_share_and_comes_back(
     shared.run(scenario)
 
 
-def test_a_frozen_redis_times_out_quickly(shared: Limiters, redis_server: RedisServer,  # noqa: F811
+def test_a_frozen_redis_times_out_quickly(shared: Limiters, redis_server: RedisServer,
                                           caplog: pytest.LogCaptureFixture) -> None:
     """A server that accepts connections but never answers (SIGSTOP) costs a request
     about the timeout (0.25 s), once; the next ones stay local without waiting."""
@@ -361,7 +361,7 @@ def test_a_frozen_redis_times_out_quickly(shared: Limiters, redis_server: RedisS
 
 
 def test_a_script_error_is_logged_as_an_error_and_falls_back(
-        shared: Limiters, redis_server: RedisServer,  # noqa: F811
+        shared: Limiters, redis_server: RedisServer,
         caplog: pytest.LogCaptureFixture) -> None:
     """Not silent fail-open: a key of another type under the prefix is reported as an
     error the operator must fix; requests meanwhile get the local share."""

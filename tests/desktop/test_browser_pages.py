@@ -1,7 +1,7 @@
 """The attacks of a web page, run by a real browser (headless Chromium) against a real
 server: a page on another site fires 110 Origin-less ``<img>`` GETs at /v1/classify,
 opens /v1/events through a ``<script>`` tag and frames /ui. Skipped where Chromium is not
-installed; the same requests are checked in process in ``tests/test_browser_gates.py``."""
+installed; the same requests are checked in process in ``tests/inprocess/test_browser_gates.py``."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from live_server import live_server
 
 from bench.process import free_port
 
-pytestmark = pytest.mark.slow
 webdriver = pytest.importorskip("selenium.webdriver")
 if not (shutil.which("chromium") and shutil.which("chromedriver")):
     pytest.skip("chromium and chromedriver are not installed", allow_module_level=True)

@@ -16,7 +16,6 @@ import pytest
 from images import photo
 from live_server import live_server
 
-pytestmark = pytest.mark.slow
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 webdriver = pytest.importorskip("selenium.webdriver")

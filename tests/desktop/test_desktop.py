@@ -24,7 +24,6 @@ from PIL import Image
 
 from tray.icon import COLOURS
 
-pytestmark = [pytest.mark.slow, pytest.mark.desktop]
 TOOLS = ("Xvfb", "openbox", "tint2", "xdotool", "xwininfo", "import", "dbus-run-session")
 if missing := [tool for tool in TOOLS if not shutil.which(tool)]:
     pytest.skip(f"desktop tools not installed: {missing}", allow_module_level=True)

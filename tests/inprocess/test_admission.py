@@ -9,14 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from asgi import (  # noqa: F401  (anyio_backend is a fixture)
+from asgi import (
     PEER,
     PORT,
     ReadyEngine,
-    anyio_backend,
     built_app,
     client,
-    error_message,
     state_of,
     until,
 )

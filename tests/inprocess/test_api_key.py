@@ -5,37 +5,26 @@ dashboard session; refusals cost no rate-limit token; unusable key files stop th
 from __future__ import annotations
 
 import hmac
-import os
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from asgi import (  # noqa: F401  (anyio_backend is a fixture)
-    anyio_backend,
+from api_key_file import KEY, key_file
+from asgi import (
     built_app,
     client,
     error_message,
     state_of,
 )
 from fastapi import FastAPI
-from live_server import ROOT, USER_DIRS, free_port
 from starlette.types import Message, Scope
 
 from app.gates.api_key import ApiKeyFileError, ApiKeyGate, load_api_key
 from app.http.stats import RequestStats
 
-KEY = "k" * 20 + "-3xAmpl3_Key.40chars~"
 HEALTH_CHECKS = ["/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"]
-
-
-def key_file(folder: Path, text: str = KEY + "\n", mode: int = 0o600) -> Path:
-    path = folder / "api-key"
-    path.write_text(text)
-    path.chmod(mode)
-    return path
 
 
 @pytest.fixture
@@ -224,45 +213,3 @@ def test_an_unusable_key_file_stops_the_app_with_what_to_fix(tmp_path: Path, tex
 def test_a_folder_in_place_of_the_key_file_is_one_message(tmp_path: Path) -> None:
     with pytest.raises(ApiKeyFileError, match="Cannot read the API key file"):
         load_api_key(tmp_path)
-
-
-def test_serve_refuses_to_start_with_one_message(tmp_path: Path) -> None:
-    path = key_file(tmp_path, "short\n")
-    home = tmp_path / "home"
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("VRAMGUARD_")},
-           **{var: str(home / var.lower()) for var in USER_DIRS},
-           "VRAMGUARD_API_KEY_FILE": str(path)}
-    done = subprocess.run([sys.executable, "-m", "app", "serve", "--port", str(free_port()),
-                           "--device", "cpu"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 1, done.stderr
-    assert "Traceback" not in done.stderr
-    assert f"vramguard: The API key in {path} has 5 characters" in done.stderr
-
-
-# --- the tray on a server with a key -----------------------------------------------------
-
-
-@pytest.mark.slow
-def test_the_trays_readings_work_on_a_keyed_server(tmp_path: Path) -> None:
-    """The tray has no API key, only the admin token: its first reading gets 401, then it
-    proves the server and sends the token in the key's place; a program that cannot
-    prove it holds the token (another token file) gets no token and shows as down."""
-    from live_server import live_server
-
-    from tray.client import ApiClient, ServerDown
-
-    with live_server(tmp_path, "--no-cache", "--device", "cpu",
-                     env={"VRAMGUARD_API_KEY_FILE": str(key_file(tmp_path))}) as server:
-        assert server.client().get("/v1/memory").status_code == 401
-        with ApiClient(server.url, server.token_file) as tray:
-            first, second = tray.sample(), tray.sample()
-        assert tray.keyed and first.device == second.device == "cpu"
-        # Refused twice in all (our own probe and the tray's first reading), never again.
-        assert first.requests["unauthorized"] == second.requests["unauthorized"] == 2
-        stranger = tmp_path / "other-token"
-        stranger.write_text("x" * 43)
-        stranger.chmod(0o600)
-        with ApiClient(server.url, stranger) as tray, \
-                pytest.raises(ServerDown, match="Nothing was sent to it"):
-            tray.sample()

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from asgi import (  # noqa: F401  (anyio_backend is a fixture)
-    anyio_backend,
+from asgi import (
     built_app,
     client,
     error_message,

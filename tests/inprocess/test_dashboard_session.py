@@ -9,7 +9,7 @@ import hmac
 import signal
 
 import pytest
-from asgi import anyio_backend, built_app, client, error_message  # noqa: F401  (a fixture)
+from asgi import built_app, client, error_message
 
 from app.gates.ui_session import UiSessions
 

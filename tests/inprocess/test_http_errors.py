@@ -8,12 +8,11 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from asgi import (  # noqa: F401  (anyio_backend is a fixture)
+from asgi import (
     LABELS,
     PEER,
     PORT,
     ReadyEngine,
-    anyio_backend,
     built_app,
     client,
     error_message,

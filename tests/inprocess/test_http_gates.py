@@ -10,9 +10,8 @@ from contextlib import suppress
 from pathlib import Path
 
 import pytest
-from asgi import (  # noqa: F401  (anyio_backend is a fixture)
+from asgi import (
     BASE_URL,
-    anyio_backend,
     built_app,
     client,
     error_message,

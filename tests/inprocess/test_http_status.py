@@ -7,10 +7,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from asgi import (  # noqa: F401  (anyio_backend is a fixture)
+from asgi import (
     WARMUP_S,
     Series,
-    anyio_backend,
     built_app,
     client,
     parse,
@@ -25,7 +24,7 @@ from app.memory.guard import GuardState
 from app.schemas import MemoryReport, ProfilePoint, StatsResponse
 
 pytestmark = pytest.mark.anyio
-MEMORY_SERIES = {  # every memory gauge and counter, by hand (not from app.observe.metrics' tables)
+MEMORY_SERIES = {  # every memory gauge and counter, by hand (not from app.observe.registry)
     "vramguard_device_memory_total_bytes", "vramguard_device_memory_used_bytes",
     "vramguard_device_memory_free_bytes", "vramguard_torch_allocated_bytes",
     "vramguard_torch_reserved_bytes", "vramguard_torch_peak_allocated_bytes",

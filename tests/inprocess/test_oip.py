@@ -17,9 +17,8 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from asgi import (  # noqa: F401  (anyio_backend is a fixture)
+from asgi import (
     LABELS,
-    anyio_backend,
     built_app,
     client,
     error_message,
@@ -40,7 +39,7 @@ from app.api.oip_codec import (
 )
 from app.engine.predictor import CLASSIFY, EMBED, Prediction, Ranked, Sample
 from app.errors import ApiError
-from app.gates.rate_limit import route_family
+from app.http.scope import route_family
 
 pytestmark = pytest.mark.anyio
 MODEL = "efficientnet_lite0"  # the stand-in engine's model: crop 32, 10 classes, no features

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app.config import load_settings
 from app.http.server import create_app
-from app.observe.metrics import MEMORY_GAUGES, OOM_COUNTERS
+from app.observe.registry import MEMORY_GAUGES, OOM_COUNTERS
 
 PORT = 8765
 

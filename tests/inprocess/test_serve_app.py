@@ -1,6 +1,6 @@
 """The cluster mode's parts that need no running cluster: the appliance never imports Ray
 or Redis, a replica's two faces split the routes, the shipped Serve config builds, and a
-bad setting in it is named. (tests/test_cluster.py runs the real thing.)"""
+bad setting in it is named. (tests/cluster/test_cluster.py runs the real thing.)"""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from typing import Any
 
 import httpx
 import pytest
-from asgi import anyio_backend  # noqa: F401  (a fixture)
 from live_server import ROOT
 
 from app.cluster.proxy import LostReplicaAnswer

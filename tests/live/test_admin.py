@@ -12,7 +12,6 @@ import pytest
 from images import photo
 from live_server import live_server
 
-pytestmark = pytest.mark.slow
 JPEG = {"Content-Type": "image/jpeg"}
 
 

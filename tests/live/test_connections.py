@@ -4,7 +4,6 @@ connections), the idle timeout, the connection cap, and running out of file hand
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 import select
 import socket
@@ -18,8 +17,6 @@ import h11
 import httpx
 import pytest
 from live_server import LiveServer, live_server
-
-from app.http.connections import connection_cap, listening_socket, overloaded_response
 
 HEAD_S = 2
 IDLE_S = 2
@@ -83,14 +80,12 @@ def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
         yield server
 
 
-@pytest.mark.slow
 def test_a_silent_connection_is_closed_after_the_head_deadline(guarded):
     with _connect(guarded) as silent:
         closed_s = _seconds_until_closed(silent, HEAD_S + SLACK_S)
     assert closed_s is not None, f"still open after {HEAD_S + SLACK_S} s"
 
 
-@pytest.mark.slow
 def test_a_slowloris_is_closed_after_the_head_deadline_in_total(guarded):
     sent: list[bytes] = []
 
@@ -106,7 +101,6 @@ def test_a_slowloris_is_closed_after_the_head_deadline_in_total(guarded):
     assert len(sent) >= 1  # it was still sending when it was closed
 
 
-@pytest.mark.slow
 def test_an_idle_keep_alive_connection_is_closed_after_the_idle_timeout(guarded):
     with _connect(guarded) as client:
         assert _get_healthz(client, guarded).status_code == 200
@@ -115,7 +109,6 @@ def test_an_idle_keep_alive_connection_is_closed_after_the_idle_timeout(guarded)
     assert closed_s is not None, f"still open {IDLE_S + SLACK_S} s after its last answer"
 
 
-@pytest.mark.slow
 def test_an_answer_that_takes_longer_than_the_head_deadline_is_not_cut(guarded):
     events = 0
     with httpx.stream("GET", f"{guarded.url}/v1/events", timeout=10) as stream:
@@ -127,7 +120,6 @@ def test_an_answer_that_takes_longer_than_the_head_deadline_is_not_cut(guarded):
     assert events >= HEAD_S + 1  # about one a second, still coming after the deadline
 
 
-@pytest.mark.slow
 def test_over_the_cap_a_connection_gets_the_json_503_with_retry_after(guarded):
     with contextlib.ExitStack() as stack:
         for _ in range(CAP):
@@ -182,7 +174,6 @@ def _healthz(server: LiveServer) -> httpx.Response:
 
 
 @linux_only
-@pytest.mark.slow
 def test_the_soft_open_files_limit_is_raised_to_the_hard_one(tmp_path):
     import resource
 
@@ -197,7 +188,6 @@ def test_the_soft_open_files_limit_is_raised_to_the_hard_one(tmp_path):
 
 
 @linux_only
-@pytest.mark.slow
 def test_out_of_file_handles_the_cap_answers_and_the_log_does_not_flood(tmp_path):
     with live_server(tmp_path, "--no-cache", preexec_fn=_open_files_limit(256, 256)) as server:
         with _idle_sockets(server, IDLE_SOCKETS):
@@ -211,42 +201,6 @@ def test_out_of_file_handles_the_cap_answers_and_the_log_does_not_flood(tmp_path
         log = server.log_text()
     assert "leaves room for" in log  # the cap was fitted under the limit, and said so
     assert log.count(FLOOD_LINE) <= 10, f"{log.count(FLOOD_LINE)} accept() errors logged"
-
-
-def test_the_refusal_is_a_whole_http_response_with_the_api_error_body():
-    conn = h11.Connection(h11.CLIENT)
-    conn.send(h11.Request(method="GET", target="/", headers=[("Host", "127.0.0.1")]))
-    conn.receive_data(overloaded_response())
-    response, data, end = conn.next_event(), conn.next_event(), conn.next_event()
-    assert isinstance(response, h11.Response) and response.status_code == 503
-    headers = {name.decode(): value.decode() for name, value in response.headers}
-    assert headers["retry-after"] == "1" and headers["connection"] == "close"
-    assert headers["content-type"] == "application/json"
-    assert json.loads(data.data)["error"]["code"] == "overloaded"
-    assert isinstance(end, h11.EndOfMessage)
-
-
-@pytest.mark.parametrize(("wanted", "open_files", "cap"), [
-    (1024, None, 1024),     # Windows: no open-files limit
-    (1024, 20000, 1024),
-    (1024, 1024, 768),      # a quarter kept for files and refusals
-    (1024, 256, 192),       # at least 64 kept
-    (1024, 16, 8),          # never below a handful
-    (4, 256, 4),
-])
-def test_the_cap_fits_under_the_open_files_limit(wanted, open_files, cap):
-    assert connection_cap(wanted, open_files) == cap
-
-
-def test_accepted_connections_have_nagle_off():
-    """With Nagle's algorithm on, each small answer waits for the client's delayed ACK
-    (40 ms on Linux): /healthz went from under 1 ms to 44 ms."""
-    listener = listening_socket("127.0.0.1", 0)
-    with listener, socket.create_connection(listener.getsockname()[:2]) as client:
-        accepted, _ = listener.accept()
-        with accepted:
-            assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
-        client.close()
 
 
 TCP_INFO_DATA_SEGS_IN = 152  # offset of tcpi_data_segs_in in Linux's struct tcp_info (4.6+)

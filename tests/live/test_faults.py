@@ -1,10 +1,11 @@
-"""Faults from outside the request path: a killed server, broken or unreadable files, a full
-disk, and a token file deleted while vramguard runs. Each ends in one clear message that
-names the file and what to do, or in a server that carries on."""
+"""Faults from outside the request path, with a server process of its own: a killed
+server, an unreadable token file, a full disk. Each ends in one clear message that names
+the file and what to do, or in a server that carries on (a broken config file:
+unit/cli/test_cli.py; damaged weights and a deleted token file in process:
+inprocess/test_file_faults.py)."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
 import signal
@@ -16,14 +17,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from asgi import BASE_URL, make_settings
 from images import photo
 from live_server import ROOT, USER_DIRS, free_port, live_server
 from small_disk import fill, mounted
-
-from app.cli.main import main
-from app.gates.admin_token import load_or_create_token
-from app.http.server import create_app
 
 JPEG = {"Content-Type": "image/jpeg"}
 
@@ -55,44 +51,6 @@ def full_disk(tmp_path: Path) -> Iterator[Path]:
         yield mount
 
 
-def test_a_broken_config_file_is_one_message_naming_it(tmp_path, capsys):
-    broken = tmp_path / "config.toml"
-    broken.write_text("port = \n")
-    assert main(["serve", "--config", str(broken)]) == 2
-    err = capsys.readouterr().err
-    assert str(broken) in err and "move the file away" in err and "Traceback" not in err
-    typo = tmp_path / "typo.toml"
-    typo.write_text("prot = 8780\n")
-    assert main(["serve", "--config", str(typo)]) == 2
-    assert f"unknown setting 'prot' in {typo}" in capsys.readouterr().err
-
-
-def test_a_truncated_weights_file_names_the_file_and_what_to_do(tmp_path, capsys):
-    weights = tmp_path / "resnet50.pth"
-    weights.write_bytes(b"PK\x03\x04 not the rest of a weights file")
-    assert main(["doctor", "--model", "resnet50", "--weights", str(weights)]) == 1
-    out = capsys.readouterr().out
-    assert f"The weights file {weights} is damaged or incomplete" in out
-    assert "Download it again" in out
-
-    async def starting() -> str:  # the server: /readyz says why, the process lives on
-        settings = make_settings(tmp_path, model="resnet50", weights=weights)
-        app = create_app(settings)
-        engine = app.state.vg.engine
-        await engine.start()
-        try:
-            transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url=BASE_URL) as client:
-                response = await client.get("/readyz")
-            assert response.status_code == 503
-            return str(response.json()["error"]["message"])
-        finally:
-            await asyncio.to_thread(engine.stop)
-
-    message = asyncio.run(starting())
-    assert str(weights) in message and "damaged or incomplete" in message
-
-
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
                     reason="needs root to hand a file to another user, and setpriv")
 def test_an_unreadable_token_file_is_one_message(tmp_path):
@@ -116,7 +74,6 @@ def test_a_full_disk_under_the_token_is_one_message(tmp_path, full_disk):
     assert f"admin token file {token}: the disk is full. Free some space on it" in err
 
 
-@pytest.mark.slow
 def test_a_full_disk_under_the_log_and_cache_still_serves(tmp_path, full_disk):
     env = {"VRAMGUARD_LOG_DIR": str(full_disk / "log"),
            "VRAMGUARD_CACHE_DIR": str(full_disk / "cache"), "VRAMGUARD_RATE_LIMIT": "0"}
@@ -129,7 +86,6 @@ def test_a_full_disk_under_the_log_and_cache_still_serves(tmp_path, full_disk):
     assert "Traceback" not in log
 
 
-@pytest.mark.slow
 def test_kill_9_during_a_burst_then_restart_serves_from_an_intact_cache(tmp_path):
     cache = tmp_path / "shared-cache"
     for run in ("first", "second"):
@@ -165,26 +121,3 @@ def test_kill_9_during_a_burst_then_restart_serves_from_an_intact_cache(tmp_path
         assert again.json()["cached"] is True  # what was written before the kill is kept
         fresh = client.post("/v1/classify", content=photo() + b"new", headers=JPEG)
         assert fresh.status_code == 200
-
-
-def test_a_token_file_deleted_while_running_is_written_back(tmp_path):
-    settings = make_settings(tmp_path)
-    app = create_app(settings)
-    token = settings.token_file.read_text().strip()
-
-    async def admin_call(bearer: str) -> int:
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url=BASE_URL) as client:
-            response = await client.post("/v1/admin/ui-link",
-                                         headers={"Authorization": f"Bearer {bearer}"})
-        return response.status_code
-
-    settings.token_file.unlink()
-    assert asyncio.run(admin_call(token)) == 200  # the server's token still works ...
-    assert settings.token_file.read_text().strip() == token  # ... and the file is back
-
-    settings.token_file.unlink()  # this time the tray reads the file first and makes one
-    newer = load_or_create_token(settings.token_file)
-    assert newer != token
-    assert asyncio.run(admin_call(newer)) == 200  # the server follows the file
-    assert asyncio.run(admin_call(token)) == 401

@@ -9,12 +9,9 @@ driven with hypothesis directly.
 
 from __future__ import annotations
 
-import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
-
-pytestmark = pytest.mark.slow
 
 
 def check(case) -> None:

@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import re
 import time
-from pathlib import Path
-from typing import Any
 
 import pytest
-import yaml
 from images import photo
+from monitoring_config import exprs
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.observe.metrics import GPU_ONLY_SERIES
+from app.observe.registry import GPU_ONLY_SERIES
 
-pytestmark = pytest.mark.slow
-MONITORING = Path(__file__).resolve().parents[2] / "assets" / "monitoring"
 EXPECTED = {
     "vramguard_device_memory_total_bytes", "vramguard_device_memory_used_bytes",
     "vramguard_device_memory_free_bytes", "vramguard_torch_allocated_bytes",
@@ -80,58 +75,6 @@ def test_values_are_sane_after_traffic(scraped):
     assert count >= 3
     assert value(scraped, "vramguard_warmup_duration_seconds") > 0
     assert value(scraped, "vramguard_oom_events") >= 0
-
-
-def dashboard() -> dict[str, Any]:
-    loaded: dict[str, Any] = json.loads((MONITORING / "grafana-dashboard.json").read_text())
-    return loaded
-
-
-def panels(within: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every graph panel, those inside rows (a collapsed row holds its own) included."""
-    found = []
-    for panel in within["panels"]:
-        found += panels(panel) if panel["type"] == "row" else [panel]
-    return found
-
-
-def exprs() -> list[str]:
-    """Every query in the alert rules and the dashboard, its variables' included."""
-    rules = yaml.safe_load((MONITORING / "alerts.yml").read_text())
-    found = [rule["expr"] for group in rules["groups"] for rule in group["rules"]]
-    found += [target["expr"] for panel in panels(dashboard()) for target in panel["targets"]]
-    found += [variable["query"] for variable in dashboard()["templating"]["list"]
-              if variable["type"] == "query"]
-    return found
-
-
-def test_alert_rules_are_well_formed():
-    rules = yaml.safe_load((MONITORING / "alerts.yml").read_text())
-    names = [rule["alert"] for group in rules["groups"] for rule in group["rules"]]
-    assert len(names) == len(set(names)) >= 5
-    for group in rules["groups"]:
-        for rule in group["rules"]:
-            assert rule["expr"] and rule["annotations"]["summary"]
-            assert rule["labels"]["severity"] in {"info", "warning", "critical"}
-
-
-def test_the_replica_row_shows_each_replica_and_leaves_the_appliance_panels_alone():
-    """Cluster replicas label their series ``replica``; the appliance's have no such
-    label, so only the collapsed Replicas row may filter or group by it."""
-    variable = next(v for v in dashboard()["templating"]["list"] if v["name"] == "replica")
-    assert variable["multi"] and variable["includeAll"] and variable["allValue"] == ".*"
-    assert re.fullmatch(r"label_values\(vramguard_[a-z_]+, replica\)", variable["query"])
-    rows = [p for p in dashboard()["panels"] if p["type"] == "row"]
-    assert [(r["title"], r["collapsed"]) for r in rows] == [("Replicas", True)]
-    queries = [t["expr"] for p in rows[0]["panels"] for t in p["targets"]]
-    assert all("by (replica" in q and 'replica=~"$replica"' in q for q in queries)
-    used = {name for q in queries for name in re.findall(r"vramguard_[a-z_]+", q)}
-    assert used >= {"vramguard_requests_total", "vramguard_request_duration_seconds_bucket",
-                    "vramguard_memory_usage_bytes", "vramguard_memory_budget_bytes",
-                    "vramguard_queue_depth", "vramguard_rate_limit_fallback"}
-    appliance = [t["expr"] for p in dashboard()["panels"] if p["type"] != "row"
-                 for t in p["targets"]]
-    assert not [q for q in appliance if "replica" in q]
 
 
 def test_monitoring_config_names_only_exported_metrics(scraped):

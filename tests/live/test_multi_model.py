@@ -29,7 +29,6 @@ from app.engine.residency import Footprint, needed
 from app.http.server import create_app
 from app.http.state import AppState
 
-pytestmark = pytest.mark.slow
 LITE = ("efficientnet_lite0", "efficientnet_lite1", "efficientnet_lite2")
 JPEG = {"Content-Type": "image/jpeg"}
 

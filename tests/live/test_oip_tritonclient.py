@@ -20,7 +20,6 @@ from app.models.efficientnet_lite import preprocessing
 
 httpclient = pytest.importorskip("tritonclient.http")
 InferenceServerException = pytest.importorskip("tritonclient.utils").InferenceServerException
-pytestmark = pytest.mark.slow
 MODEL = "efficientnet_lite0"
 ESPRESSO = 967
 TOLERANCE = 1e-4

@@ -14,11 +14,9 @@ from collections import Counter
 
 import aiohttp
 import psutil
-import pytest
 from images import coffee_image, photo
 from live_server import live_server
 
-pytestmark = pytest.mark.slow
 CLIENTS = 512
 FLOOD_S = 12.0
 CLIENT_TIMEOUT_S = 15.0

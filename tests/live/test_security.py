@@ -6,9 +6,6 @@ import pytest
 from images import photo
 from live_server import live_server
 
-from app.cli.main import main
-
-pytestmark = pytest.mark.slow
 JPEG = {"Content-Type": "image/jpeg"}
 
 
@@ -77,8 +74,3 @@ def test_rate_limit_gives_429_with_retry_after(tmp_path):
                               headers={**JPEG, "X-Forwarded-For": "10.9.9.9"})
         assert spoofed.status_code == 429  # a made-up address is not a fresh bucket
     assert '"POST /v1/classify HTTP/1.1" 429' not in limited.log.read_text()  # no access log
-
-
-def test_listening_beyond_this_computer_needs_allow_remote(capsys):
-    assert main(["serve", "--host", "0.0.0.0", "--port", "1"]) == 1
-    assert "--allow-remote" in capsys.readouterr().err

@@ -1,21 +1,17 @@
-"""The tray controller against a real server: readings, actions, a dead server,
-and supervision of a server process that crashes. No display needed."""
+"""The tray controller against a real server: readings, actions, the models in memory,
+and `vramguard run` without a display (a dead server and supervision without one:
+unit/tray/test_tray_supervisor.py). No display needed."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import webbrowser
-from pathlib import Path
 
 import pytest
 from live_server import free_port
 
-from app.cli.main import main
 from tray.client import ApiClient
 from tray.controller import TrayController
-
-pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
@@ -65,56 +61,6 @@ def test_the_models_in_memory_and_an_unload_the_server_refuses(controller):
     assert controller.unload("efficientnet_lite2") == (
         "efficientnet_lite2 was not in memory any more: there was nothing to unload.")
     assert [e.name for e in controller.models()] == ["efficientnet_lite0"]
-
-
-def test_a_server_that_is_not_there(tmp_path):
-    messages: list[str] = []
-    tray = TrayController(ApiClient(f"http://127.0.0.1:{free_port()}", tmp_path / "token"),
-                          notify=messages.append)
-    tray.refresh()
-    assert tray.down and tray.tooltip() == "vramguard: not running"
-    assert tray.empty_cache().startswith("Could not do that")
-    assert not messages
-
-
-def supervising(tmp_path: Path, exit_status: int) -> tuple[TrayController,
-                                                          list[subprocess.Popen[bytes]]]:
-    """A tray that starts a 'server' which exits at once with this status."""
-    started: list[subprocess.Popen[bytes]] = []
-
-    def spawn() -> subprocess.Popen[bytes]:
-        started.append(subprocess.Popen([sys.executable, "-c",
-                                         f"raise SystemExit({exit_status})"]))
-        return started[-1]
-
-    tray = TrayController(ApiClient(f"http://127.0.0.1:{free_port()}", tmp_path / "token"),
-                          notify=lambda _m: None, start_server=spawn)
-    tray.ensure_server()
-    started[0].wait(10)
-    tray.refresh()
-    return tray, started
-
-
-def test_a_crashed_server_is_restarted_and_the_menu_says_why(tmp_path):
-    tray, started = supervising(tmp_path, 1)
-    assert len(started) == 2 and tray.restarts == 1
-    assert any("exit status 1" in line for line in tray.lines())
-    started[1].wait(10)
-    tray.refresh()  # within the back-off: no restart storm
-    assert len(started) == 2
-
-
-def test_a_server_stopped_on_purpose_stays_down_and_ends_the_tray(tmp_path):
-    tray, started = supervising(tmp_path, 0)
-    assert len(started) == 1 and tray.restarts == 0
-    assert tray.stopped and "Last stop: the server was asked to stop" in tray.lines()
-
-
-def test_tray_without_a_display(monkeypatch, capsys):
-    monkeypatch.delenv("DISPLAY", raising=False)
-    monkeypatch.delenv("WAYLAND_DISPLAY", raising=False)
-    assert main(["tray"]) == 1
-    assert "needs a display" in capsys.readouterr().err
 
 
 def test_run_without_a_display_serves_headless(tmp_path):

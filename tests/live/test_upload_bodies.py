@@ -8,11 +8,9 @@ import socket
 import time
 from pathlib import Path
 
-import pytest
 from images import photo
 from live_server import LiveServer, live_server
 
-pytestmark = pytest.mark.slow
 JPEG = {"Content-Type": "image/jpeg"}
 MIB = 1024**2
 

@@ -20,8 +20,6 @@ from live_server import ROOT
 from PyInstaller.archive.readers import pkg_archive_contents
 from wine import RUN_KEY, UNINSTALL_KEY, WinePrefix, tools_missing, verify_checksums
 
-pytestmark = [pytest.mark.packaging, pytest.mark.slow]
-
 VERSION = __import__("app").__version__
 NSIS_LIMIT = 2 * 1024**3
 

@@ -387,7 +387,7 @@ class NvmlStandIn:
         return self.cuda.context + self.cuda.reserved
 
     def _module(self) -> types.ModuleType:
-        module = types.ModuleType("pynvml", "stand-in (tests/cuda_standin.py)")
+        module = types.ModuleType("pynvml", "stand-in (tests/support/cuda_standin.py)")
         handle = object()
 
         def wrap(name: str, fn: Any) -> None:

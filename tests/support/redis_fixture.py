@@ -2,8 +2,8 @@
 yields a started one and always stops it; ``stop()`` and ``start()`` again on the same
 port play an outage.
 
-In a test module: ``from redis_fixture import redis_server  # noqa: F401 (a fixture)``,
-or ``RedisServer()`` for a server of another scope. Tests are skipped, saying why, where
+The cluster tier's conftest.py provides ``redis_server`` to its tests; ``RedisServer()``
+starts a server of another scope. Tests are skipped, saying why, where
 ``redis-server`` or the ``redis`` package (the cluster extra) is missing.
 """
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import diskcache
 import numpy as np
 import pytest
-from asgi import anyio_backend, built_app, client, make_settings, png  # noqa: F401  (a fixture)
+from asgi import built_app, client, make_settings, png
 from small_disk import fill, mounted
 
 from app.engine.predictor import Ranked

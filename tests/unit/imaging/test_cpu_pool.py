@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from asgi import anyio_backend, until  # noqa: F401  (anyio_backend is a fixture)
+from asgi import until
 
 from app.errors import DeadlineExceeded, Overloaded
 from app.imaging.cpu_pool import CpuPool

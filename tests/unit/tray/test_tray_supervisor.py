@@ -1,7 +1,8 @@
 """The tray's supervision of the server it started, with tiny stand-in server processes
 (no model): what is a crash to restart, and what is a stop or a start failure to accept.
 On Windows a stop that has to end the server (TerminateProcess) gives exit status 15, and
-a busy port makes uvicorn exit with 3: both are mimicked here with plain exit statuses."""
+a busy port makes uvicorn exit with 3: both are mimicked here with plain exit statuses.
+Also a server that is not there, and `vramguard tray` without a display."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from live_server import free_port
 
+from app.cli.main import main
 from app.cli.process_control import ServerOutput
 from app.host.instance import instance_folder, request_stop
 from tray.client import ApiClient
@@ -231,3 +233,53 @@ def test_a_tray_ended_by_the_stop_command_leaves_the_server_to_it(tmp_path):
                  int(tray.client.base_url.rsplit(":", 1)[1]))
     tray.stop_server()
     assert tray.started[0].returncode == 0  # ended by itself, not by SIGTERM (-15)
+
+
+def test_a_server_that_is_not_there(tmp_path):
+    messages: list[str] = []
+    tray = TrayController(ApiClient(f"http://127.0.0.1:{free_port()}", tmp_path / "token"),
+                          notify=messages.append)
+    tray.refresh()
+    assert tray.down and tray.tooltip() == "vramguard: not running"
+    assert tray.empty_cache().startswith("Could not do that")
+    assert not messages
+
+
+def supervising(tmp_path: Path, exit_status: int) -> tuple[TrayController,
+                                                          list[subprocess.Popen[bytes]]]:
+    """A tray that starts a 'server' which exits at once with this status."""
+    started: list[subprocess.Popen[bytes]] = []
+
+    def spawn() -> subprocess.Popen[bytes]:
+        started.append(subprocess.Popen([sys.executable, "-c",
+                                         f"raise SystemExit({exit_status})"]))
+        return started[-1]
+
+    tray = TrayController(ApiClient(f"http://127.0.0.1:{free_port()}", tmp_path / "token"),
+                          notify=lambda _m: None, start_server=spawn)
+    tray.ensure_server()
+    started[0].wait(10)
+    tray.refresh()
+    return tray, started
+
+
+def test_a_crashed_server_is_restarted_and_the_menu_says_why(tmp_path):
+    tray, started = supervising(tmp_path, 1)
+    assert len(started) == 2 and tray.restarts == 1
+    assert any("exit status 1" in line for line in tray.lines())
+    started[1].wait(10)
+    tray.refresh()  # within the back-off: no restart storm
+    assert len(started) == 2
+
+
+def test_a_server_stopped_on_purpose_stays_down_and_ends_the_tray(tmp_path):
+    tray, started = supervising(tmp_path, 0)
+    assert len(started) == 1 and tray.restarts == 0
+    assert tray.stopped and "Last stop: the server was asked to stop" in tray.lines()
+
+
+def test_tray_without_a_display(monkeypatch, capsys):
+    monkeypatch.delenv("DISPLAY", raising=False)
+    monkeypatch.delenv("WAYLAND_DISPLAY", raising=False)
+    assert main(["tray"]) == 1
+    assert "needs a display" in capsys.readouterr().err

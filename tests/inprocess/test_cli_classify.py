@@ -1,7 +1,7 @@
 """`vramguard classify`: one record per image file (JSON lines, CSV, text), broken files
 failed and reported, missing paths reported and skipped, the exit status, Ctrl-C; against
-the real app (stand-in engine) served by uvicorn in a thread. Slow: with no server
-running, it starts one for the run and stops it."""
+the real app (stand-in engine) served by uvicorn in a thread. Starting a server for the
+run: live/test_cli_classify_live.py."""
 
 from __future__ import annotations
 
@@ -22,37 +22,19 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 import pytest
 import uvicorn
 from asgi import ReadyEngine, built_app, state_of
-from images import encode, photo
-from PIL import Image
+from photo_tree import noisy_jpeg, photo_tree
 
 from app.cli.main import main
 from app.errors import Overloaded
-from bench.process import ROOT, free_port, server_env
-
-
-def noisy_jpeg(seed: int) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (64, 64, 3), dtype=np.uint8)
-    return encode(Image.fromarray(pixels), "JPEG")
+from bench.process import ROOT
 
 
 @pytest.fixture
 def tree(tmp_path: Path) -> dict[str, Path]:
-    """Images in a folder and a subfolder, two broken ones, and a file that is no image."""
-    root = tmp_path / "photos"
-    (root / "trip").mkdir(parents=True)
-    files = {"a": root / "a.jpg", "b": root / "trip" / "b.PNG", "c": root / "c.webp",
-             "noise": root / "noise.jpg", "cut": root / "trip" / "cut.jpg"}
-    files["a"].write_bytes(noisy_jpeg(1))
-    files["b"].write_bytes(encode(Image.new("RGB", (30, 20), (9, 99, 199)), "PNG"))
-    files["c"].write_bytes(encode(Image.new("RGB", (16, 16), (200, 0, 0)), "WEBP"))
-    files["noise"].write_bytes(np.random.default_rng(2).bytes(4000))
-    files["cut"].write_bytes(photo()[:3000])
-    (root / "notes.txt").write_text("not an image")
-    return files
+    return photo_tree(tmp_path)
 
 
 @contextmanager
@@ -196,22 +178,3 @@ def test_ctrl_c_stops_with_a_summary(tmp_path: Path) -> None:
     done = 1 + len(out.splitlines())
     assert re.search(rf"Stopped after {done} of 60 images: {done} tagged", err.decode()), err
     assert stats["queue_depth"] == 0 and stats["in_flight"] == 0
-
-
-@pytest.mark.slow
-def test_starts_a_server_for_the_run_when_none_answers(
-        tmp_path: Path, tree: dict[str, Path]) -> None:
-    port = free_port()  # where discovery looks: nothing listens there
-    done = subprocess.run(
-        [sys.executable, "-m", "app", "classify", str(tree["a"]), "--json"], cwd=ROOT,
-        env={**server_env(VRAMGUARD_PORT=str(port)),
-             "PYTHONPATH": str(ROOT / "clients" / "python"),
-             **{k: v for k, v in os.environ.items() if k.startswith(("HOME", "XDG_"))}},
-        capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    assert "no vramguard is running; starting one for this run" in done.stderr
-    started = re.search(r"started at (http://127\.0\.0\.1:(\d+))", done.stderr)
-    assert started is not None
-    assert json.loads(done.stdout)["predictions"]
-    with pytest.raises(httpx.ConnectError):  # stopped at the end
-        httpx.get(f"{started.group(1)}/healthz", timeout=2)

@@ -1,6 +1,6 @@
-"""The JavaScript client (clients/js) under Node's own test runner: its unit tests (a fake
-fetch; no server), then its tests against real servers started here. Skips when Node 18
-or later is missing (.ci/run installs the Debian package nodejs)."""
+"""The JavaScript client's (clients/js) tests under Node's own test runner, and the mark
+that skips them where Node 18 or later is missing (.ci/run installs the Debian package
+nodejs)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import shutil
 import subprocess
 
 import pytest
-from live_server import ROOT, live_server
+from live_server import ROOT
+
+__all__ = ["CLIENT", "NODE", "needs_node", "run_node_tests"]
 
 CLIENT = ROOT / "clients" / "js"
 NODE = shutil.which("node")
@@ -43,22 +45,3 @@ def run_node_tests(*files: str, env: dict[str, str] | None = None) -> str:
     passed = re.search(r"^# pass (\d+)$", report, re.MULTILINE)
     assert passed and int(passed.group(1)) > 0, report
     return report
-
-
-@needs_node
-def test_js_client_units() -> None:
-    """Requests, error mapping of every code, retry rules, deadlines, classifyStream (on a
-    fake fetch) and index.d.ts against the module: a few seconds."""
-    run_node_tests("client.test.mjs", "declarations.test.mjs")
-
-
-@needs_node
-@pytest.mark.slow
-def test_js_client_live(server, tmp_path) -> None:
-    """classify, embed, models, memory and classifyStream against the session's server;
-    429 retries against one limited to one classify request every 2 s."""
-    with live_server(tmp_path, "--no-cache", "--batch-size", "2",
-                     env={"VRAMGUARD_CLASSIFY_BURST": "1",
-                          "VRAMGUARD_CLASSIFY_PER_S": "0.5"}) as limited:
-        run_node_tests("live.test.mjs", env={"VRAMGUARD_URL": server.url,
-                                             "VRAMGUARD_LIMITED_URL": limited.url})

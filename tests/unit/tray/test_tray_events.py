@@ -1,6 +1,6 @@
 """The tray follows the server's event stream: the SSE parser, the back-off, a state
-event that recolours at once, a silent or absent server, and against real servers:
-samples without polling, polling while the stream is refused, a late server."""
+event that recolours at once, a silent or absent server (against real servers:
+live/test_tray_events_live.py)."""
 
 from __future__ import annotations
 
@@ -10,18 +10,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
-import httpx
-import live_server as live_server_module
 import pytest
-from live_server import free_port, live_server
+from live_server import free_port
 from samples import sample
+from tray_follow import assert_no_stream_left, follow_until, polls, stream_threads, tray_for
 
-from app.http.live_feed import MAX_SUBSCRIBERS, EventHub
-from app.schemas import LiveSample
-from tray.client import ApiClient
-from tray.controller import TrayController
+from app.http.live_feed import EventHub
 from tray.event_stream import Backoff, Event, EventStream, SseParser, deliver
 from tray.icon import COLOURS
 
@@ -78,26 +73,6 @@ def wire(*events: tuple[str, dict[str, object]]) -> str:
     return asyncio.run(scenario())
 
 
-class CountingClient(ApiClient):
-    """The real client, counting its polls."""
-
-    polls = 0
-
-    def sample(self) -> LiveSample:
-        self.polls += 1
-        return super().sample()
-
-
-def tray_for(url: str, tmp_path: Path) -> tuple[TrayController, list[str]]:
-    messages: list[str] = []
-    return TrayController(CountingClient(url, tmp_path / "token"), messages.append), messages
-
-
-def polls(tray: TrayController) -> int:
-    assert isinstance(tray.client, CountingClient)
-    return tray.client.polls
-
-
 def test_a_state_event_recolours_and_notifies_at_once(tmp_path):
     tray, messages = tray_for(f"http://127.0.0.1:{free_port()}", tmp_path)  # never asked
     parser = SseParser()
@@ -122,18 +97,6 @@ def test_an_unreadable_event_is_skipped(tmp_path):
     assert tray.down and not tray.wait_for_news(0)
 
 
-def follow_until(tray: TrayController, done: Callable[[int], bool], timeout_s: float) -> int:
-    """Run the tray's update loop (refresh, then sleep until news or a second) until
-    ``done(times the stream's news woke it)``; that number."""
-    woken = 0
-    deadline = time.monotonic() + timeout_s
-    while not done(woken):
-        assert time.monotonic() < deadline, "timed out"
-        tray.refresh()
-        woken += tray.wait_for_news(1.0)
-    return woken
-
-
 def wait_until(done: Callable[[], bool], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not done():
@@ -141,17 +104,10 @@ def wait_until(done: Callable[[], bool], timeout_s: float) -> None:
         time.sleep(0.05)
 
 
-def stream_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == "vramguard-events"]
-
-
 @pytest.fixture
-def no_stream_left():
+def no_stream_left() -> Iterator[None]:
     yield
-    deadline = time.monotonic() + 5
-    while stream_threads() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not stream_threads()
+    assert_no_stream_left()
 
 
 def test_no_server_means_down_and_retrying_not_polling(tmp_path, no_stream_left):
@@ -233,88 +189,3 @@ def test_a_refusal_without_a_server_that_answers_means_polling(tmp_path, no_stre
             assert tray.down  # its polls fail too: this peer only refuses
         finally:
             tray.stop_following()
-
-
-# -- against real servers ---------------------------------------------------------------
-
-
-@pytest.mark.slow
-def test_follows_the_stream_without_polling(server, tmp_path, no_stream_left):
-    tray, _ = tray_for(server.url, tmp_path)
-    tray.follow()
-    try:
-        times: list[float] = []
-
-        def two_samples() -> bool:
-            if tray.sample is not None and tray.sample.t not in times:
-                times.append(tray.sample.t)
-            return len(times) >= 2
-
-        woken = follow_until(tray, lambda news: two_samples(), 15)
-        assert woken >= 1 and polls(tray) == 0
-        assert tray.status == "running" and tray.tooltip().startswith("vramguard: healthy, ")
-        assert tray.lines()[3] == "State: healthy"
-    finally:
-        tray.stop_following()
-
-
-@contextmanager
-def full_hub(url: str) -> Iterator[None]:
-    """Open live views, each as a client of its own (one client may hold only a few),
-    until the server refuses one more."""
-    with httpx.Client(base_url=url, timeout=10) as client:
-        views: list[httpx.Response] = []
-        try:
-            for i in range(2 * MAX_SUBSCRIBERS):
-                request = client.build_request("GET", "/v1/events",
-                                               headers={"X-Client-Id": f"viewer-{i}"})
-                response = client.send(request, stream=True)
-                if response.status_code == 503:
-                    response.close()
-                    break
-                views.append(response)
-            else:
-                pytest.fail("the server never refused a stream")
-            yield
-        finally:
-            for response in views:
-                response.close()
-
-
-@pytest.mark.slow
-def test_a_refused_stream_falls_back_to_polling_then_follows_again(server, tmp_path,
-                                                                   no_stream_left):
-    tray, _ = tray_for(server.url, tmp_path)
-    try:
-        with full_hub(server.url):
-            tray.follow()
-            woken = follow_until(tray, lambda news: polls(tray) >= 3, 15)
-            assert woken == 0  # nothing came over the stream
-            assert tray.status == "running" and tray.lines()[3] == "State: healthy"
-        # room again: the stream is tried again (after Retry-After), and polling stops
-        follow_until(tray, lambda news: news >= 1, 20)
-        before = polls(tray)
-        follow_until(tray, lambda news: news >= 2, 15)
-        assert polls(tray) == before and tray.status == "running"
-    finally:
-        tray.stop_following()
-
-
-@pytest.mark.slow
-def test_follows_a_server_that_starts_later_and_sees_it_go(tmp_path, monkeypatch,
-                                                          no_stream_left):
-    port = free_port()
-    monkeypatch.setattr(live_server_module, "free_port", lambda: port)
-    tray, _ = tray_for(f"http://127.0.0.1:{port}", tmp_path)
-    tray.follow()
-    try:
-        follow_until(tray, lambda news: news >= 1, 10)  # no server: that is news too
-        assert tray.down and tray.status == "starting"
-        with live_server(tmp_path):
-            follow_until(tray, lambda news: tray.sample is not None, 30)
-            assert tray.status == "running"
-        follow_until(tray, lambda news: tray.down, 15)  # the stream ended with the server
-        assert tray.status.startswith("not answering: ")
-        assert polls(tray) == 0
-    finally:
-        tray.stop_following()

@@ -23,8 +23,8 @@ from live_server import ROOT
 from squatter import EVIL_URL, Squatter, knowing, relay_to, served_app
 
 from app.cli.main import main
-from app.gates.admin_token import load_or_create_token
 from app.host.instance import InstanceLock, instance_folder
+from app.host.token_file import load_or_create_token
 from tray.client import ApiClient
 from tray.controller import TrayController
 

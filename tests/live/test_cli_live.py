@@ -1,0 +1,39 @@
+"""The `vramguard` command against the real model and a real server: `doctor`'s whole
+check, a clean stop on SIGTERM, the rotating log file (the rest: unit/cli/test_cli.py)."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+from cli_process import run_cli
+from live_server import live_server
+
+
+# loads the model and times every batch size up to 32
+def test_doctor_checks_torch_device_and_model():
+    result = run_cli("doctor")
+    assert result.returncode == 0, result.stdout + result.stderr
+    for expected in ("torch", "NVIDIA GPU", "device", "cpu", "efficientnet_lite0 loaded",
+                     "per image", "= budget", "x fraction", "all checks passed"):
+        assert expected in result.stdout
+
+
+def test_sigterm_stops_the_server_cleanly(tmp_path):
+    with live_server(tmp_path, "--no-cache") as server:
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(30) == 0
+    log = server.log_text()
+    assert "Traceback" not in log and "Shutting down" in log
+
+
+def test_server_logs_to_a_rotating_file_in_the_user_log_folder(tmp_path):
+    with live_server(tmp_path, "--no-cache") as server:
+        port = server.url.rsplit(":", 1)[1]
+        log_file = (Path(server.home) / "xdg_state_home" / "vramguard" / "log" /
+                    f"vramguard-{port}.log")  # not the default port: a file of its own
+        text = log_file.read_text()
+    assert "INFO vramguard.engine: ready:" in text and "INFO uvicorn" in text
+    assert "doctor" not in text
+    doctor = run_cli("doctor")
+    assert "log folder" in doctor.stdout
