@@ -7,10 +7,9 @@ import enum
 from pydantic import BaseModel, Field
 
 
+# The memory guard's watermark state (app/memory/guard.py moves it): part of the contract,
+# since the tray and the dashboard colour by it. (No docstring: it would enter the schema.)
 class GuardState(enum.StrEnum):
-    """The memory guard's watermark state (``app/memory/guard.py`` moves it): part of the
-    contract, since the tray and the dashboard colour by it."""
-
     OK = "ok"
     HIGH = "high"
     SHEDDING = "shedding"

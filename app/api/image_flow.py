@@ -1,12 +1,18 @@
 """What every route that sends an image to a model does: find the model (loading it when
 a request asks for one not loaded), take a place in line (or 503 before the upload is
 read), read the upload, decode it in a decode worker process through the CPU pool (or
-answer from the result cache), and queue it for the device thread in its place."""
+answer from the result cache), and queue it for the device thread in its place.
+
+``serve_image`` is that whole path for one upload (``/v1/classify``, ``/v1/embed``). An
+image in its place goes on through ``serve_in_place`` on every route, so a change to the
+path is made once: ``/v2`` infer and the image stream take their places their own way (all
+of a request's at once; one per part, waiting for room) and call it for each image."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -47,6 +53,18 @@ KeepAlive = Annotated[float | None, Query(
     "(-1: for ever, 0: unload when done); default: the keep_alive_s setting.")]
 Cached = Ranked | np.ndarray
 Prepared = tuple[str | None, Cached | torch.Tensor]  # the cache key; the answer or pixels
+Image = bytes | torch.Tensor  # an upload's bytes, or pixels already preprocessed (a tensor)
+
+
+@dataclass(frozen=True)
+class Ask:
+    """What each image of a request is asked for: the forward pass's task, how many classes
+    come back, and whether the result cache may answer (it holds a ranking or features,
+    never both, so an answer with both skips it)."""
+
+    task: str
+    top_k: int
+    use_cache: bool = True
 
 
 @dataclass(frozen=True)
@@ -173,22 +191,47 @@ async def answer(request: Request, model: LoadedModel, prepared: Prepared, place
                   time.perf_counter() - started)
 
 
+async def find_model(state: AppState, name: str | None,
+                     keep_alive_s: float | None = None) -> LoadedModel:
+    """The model ``name`` (default: --model), unless an admin has paused the appliance:
+    loaded, or loaded now, waiting up to ``request_timeout_s``."""
+    state.engine.require_unpaused()
+    return (await state.engine.acquire(name, state.settings.request_timeout_s,
+                                       keep_alive_s)).model
+
+
+async def serve_in_place(request: Request, model: LoadedModel, place: Reservation,
+                         image: Image, ask: Ask, deadline: float, started: float, *,
+                         watch: bool = True,
+                         decoded: Callable[[], None] = lambda: None) -> Served:
+    """One image in its place in line, to its answer: bytes to their cached answer or
+    pixels (``prepare``; a tensor is pixels already), then ``decoded`` (the caller gives
+    the bytes back to the upload caps: nothing holds them here any more), then the answer
+    (``answer``; ``watch`` as there). The caller passes ``image`` without keeping it, so
+    that its bytes are freed before the image waits for the device."""
+    if isinstance(image, torch.Tensor):
+        prepared: Prepared = (None, image)
+    else:
+        prepared = await prepare(state_of(request), model, image, deadline, ask.task,
+                                 use_cache=ask.use_cache)
+        del image
+        decoded()
+    return await answer(request, model, prepared, place, deadline, ask.task, ask.top_k,
+                        started, watch=watch)
+
+
 async def serve_image(request: Request, model: str | None, keep_alive_s: float | None,
                       task: str, top_k: int) -> Served:
-    """One image through the whole path, for ``task`` on ``model`` (default: --model)."""
+    """One upload through the whole path, for ``task`` on ``model`` (default: --model)."""
     state = state_of(request)
-    engine, timeout = state.engine, state.settings.request_timeout_s
-    engine.require_unpaused()
     started = time.perf_counter()
-    deadline = time.monotonic() + timeout
-    loaded = (await engine.acquire(model, timeout, keep_alive_s)).model
+    deadline = time.monotonic() + state.settings.request_timeout_s
+    loaded = await find_model(state, model, keep_alive_s)
     if task == EMBED and not loaded.feature_dim:
         raise BadRequest(f"The model {loaded.name} cannot give image features (it has no "
                          "final linear layer to take them from); use an EfficientNet-Lite "
                          "model.")
-    with engine.admit(max(0.0, deadline - time.monotonic()), loaded.name) as place:
-        data = await read_upload(request)
-        prepared = await prepare(state, loaded, data, deadline, task)
-        del data
-        body_done(request.scope)
-        return await answer(request, loaded, prepared, place, deadline, task, top_k, started)
+    with state.engine.admit(max(0.0, deadline - time.monotonic()), loaded.name) as place:
+        return await serve_in_place(request, loaded, place, await read_upload(request),
+                                    Ask(task, top_k), deadline, started,
+                                    decoded=lambda: body_done(request.scope))

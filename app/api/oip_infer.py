@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
@@ -14,7 +13,14 @@ import torch
 from fastapi import Request
 from fastapi.responses import Response
 
-from app.api.image_flow import Prepared, Served, answer, prepare, unless_disconnected
+from app.api.image_flow import (
+    Ask,
+    Image,
+    Served,
+    find_model,
+    serve_in_place,
+    unless_disconnected,
+)
 from app.api.oip_codec import (
     EMBEDDING,
     HEADER_LENGTH,
@@ -35,18 +41,8 @@ VERSION = "1"  # each model has one version
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
-class _Plan:
-    """How each image of a request runs: what the forward pass gives, how many classes
-    come back, and whether the result cache can serve it (it holds a ranking or features,
-    not both)."""
-
-    task: str
-    top_k: int
-    use_cache: bool
-
-
-def _plan(parsed: InferRequest, model: LoadedModel) -> _Plan:
+def _plan(parsed: InferRequest, model: LoadedModel) -> Ask:
+    """What each image of the request is asked for, from the outputs it names."""
     names = {want.name for want in parsed.outputs}
     if EMBEDDING in names and not model.feature_dim:
         raise BadRequest(f"The model {model.name} has no {EMBEDDING} output (no final linear "
@@ -54,8 +50,8 @@ def _plan(parsed: InferRequest, model: LoadedModel) -> _Plan:
     classes = model.num_classes
     top_k = max((min(want.classes, classes) if want.classes else classes
                  for want in parsed.outputs if want.name == PROBABILITIES), default=1)
-    return _Plan(EMBED if EMBEDDING in names else CLASSIFY, top_k,
-                 use_cache=not {EMBEDDING, PROBABILITIES} <= names)
+    return Ask(EMBED if EMBEDDING in names else CLASSIFY, top_k,
+               use_cache=not {EMBEDDING, PROBABILITIES} <= names)
 
 
 async def _read_body(request: Request) -> bytes:
@@ -76,11 +72,10 @@ async def serve_inference(request: Request, name: str) -> Response:
     """A place for the first image before the body is read (or 503), one more for each
     further image once the body says how many, every image through ``image_flow``."""
     state = state_of(request)
-    engine, timeout = state.engine, state.settings.request_timeout_s
-    engine.require_unpaused()
+    engine = state.engine
     started = time.perf_counter()
-    deadline = time.monotonic() + timeout
-    model = (await engine.acquire(name, timeout)).model
+    deadline = time.monotonic() + state.settings.request_timeout_s
+    model = await find_model(state, name)
     with ExitStack() as places:
         first = places.enter_context(engine.admit(_left(deadline), model.name))
         body = await _read_body(request)
@@ -102,31 +97,25 @@ async def serve_inference(request: Request, name: str) -> Response:
 
 
 async def _serve_all(request: Request, model: LoadedModel, parsed: InferRequest,
-                     spots: list[Reservation], deadline: float, plan: _Plan,
+                     spots: list[Reservation], deadline: float, plan: Ask,
                      started: float) -> list[Served]:
     """Every image at once, each in its place; the first failure cancels the others (their
     places are withdrawn) and answers for the request. The upload's bytes are given back
     to the body limits once every file is decoded (pixels: at once, they are copies)."""
-    state = state_of(request)
     undecoded = len(parsed.images)
     if not undecoded:
         body_done(request.scope)
 
-    async def one(index: int, place: Reservation) -> Served:
+    def decoded() -> None:
         nonlocal undecoded
+        undecoded -= 1
+        if not undecoded:
+            body_done(request.scope)
+
+    async def one(index: int, place: Reservation) -> Served:
         try:
-            if parsed.pixels is not None:
-                prepared: Prepared = (None, torch.from_numpy(parsed.pixels[index]))
-            else:
-                data, parsed.images[index] = parsed.images[index], b""
-                prepared = await prepare(state, model, data, deadline, plan.task,
-                                         use_cache=plan.use_cache)
-                del data
-                undecoded -= 1
-                if not undecoded:
-                    body_done(request.scope)
-            return await answer(request, model, prepared, place, deadline, plan.task,
-                                plan.top_k, started, watch=False)
+            return await serve_in_place(request, model, place, _take(parsed, index), plan,
+                                        deadline, started, watch=False, decoded=decoded)
         except ApiError as exc:
             if parsed.count > 1:
                 exc.message = f"{parsed.input_name}[{index}]: {exc.message}"
@@ -138,6 +127,15 @@ async def _serve_all(request: Request, model: LoadedModel, parsed: InferRequest,
     except BaseExceptionGroup as failed:
         raise _first(failed) from None
     return [task.result() for task in tasks]
+
+
+def _take(parsed: InferRequest, index: int) -> Image:
+    """Image ``index``'s pixels, or its bytes taken out of the request (so that they are
+    freed once decoded)."""
+    if parsed.pixels is not None:
+        return torch.from_numpy(parsed.pixels[index])
+    data, parsed.images[index] = parsed.images[index], b""
+    return data
 
 
 def _first(group: BaseExceptionGroup[BaseException]) -> BaseException:
