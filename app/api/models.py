@@ -7,12 +7,11 @@ no path is ever built from it.
 
 from __future__ import annotations
 
-import time
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Request
 
-from app.engine.engine import InferenceEngine, Runtime
+from app.engine.view import ModelFigures
 from app.errors import NotFound
 from app.gates.admin_token import require_admin
 from app.http.state import state_of
@@ -25,51 +24,41 @@ admin = APIRouter(dependencies=[Depends(require_admin)],
 ModelName = Annotated[str, Path(max_length=64, description="A name GET /v1/models lists.")]
 
 
-def _loaded(engine: InferenceEngine, name: str, runtime: Runtime) -> dict[str, object]:
+def _loaded(model: ModelFigures) -> dict[str, object]:
     """What is known about a loaded model, by ModelOut's field names."""
-    loaded, warmup, guard = runtime.model, runtime.warmup, runtime.guard
-    resident = engine.residents.get(name)
-    size = guard.max_batch
-    adaptive = runtime.batch_size
-    line = adaptive.fit.line if adaptive is not None else None
+    fit = model.batch_fit
     return {
-        "state": "loaded", "pinned": bool(resident and resident.pinned),
-        "keep_alive_s": None if resident is None else resident.keep_alive_s,
-        "expires_in_s": None if resident is None else resident.expires_in(time.monotonic()),
-        "device": str(loaded.device), "weights_file": str(loaded.weights_file),
-        "weights_version": loaded.weights_version,
-        "weights_bytes": runtime.memory.weights_bytes,
-        "fixed_bytes": guard.fit.fixed_bytes, "bytes_per_sample": guard.fit.bytes_per_sample,
-        "batch_size": size, "max_batch_size": size,
-        "images_per_second": round(size / line.seconds(size), 2) if line is not None
-        else round(warmup.throughput_at(size), 2),
-        "batch_fit": None if adaptive is None or line is None else BatchFitOut(
-            a_ms=round(line.a * 1000, 3), b_ms=round(line.b * 1000, 3),
-            observations=adaptive.fit.observations),
-        "profile_reused": runtime.reused_profile,
-        "warmup_seconds": round(warmup.duration_s, 3),
+        "state": "loaded", "pinned": model.pinned, "keep_alive_s": model.keep_alive_s,
+        "expires_in_s": model.expires_in_s, "device": model.device,
+        "weights_file": model.weights_file, "weights_version": model.weights_version,
+        "weights_bytes": model.weights_bytes, "fixed_bytes": model.fixed_bytes,
+        "bytes_per_sample": model.bytes_per_sample, "batch_size": model.max_batch,
+        "max_batch_size": model.max_batch,
+        "images_per_second": round(model.images_per_second, 2),
+        "batch_fit": None if fit is None else BatchFitOut(
+            a_ms=round(fit.a_s * 1000, 3), b_ms=round(fit.b_s * 1000, 3),
+            observations=fit.observations),
+        "profile_reused": model.profile_reused,
+        "warmup_seconds": round(model.warmup_seconds, 3),
         "warmup": [BatchTimingOut(batch_size=t.batch_size,
                                   latency_ms=round(t.seconds * 1000, 2),
                                   images_per_second=round(t.images_per_second, 2))
-                   for t in warmup.timings],
+                   for t in model.warmup],
     }
 
 
 @router.get("/v1/models", response_model=ModelsResponse,
             summary="The models this vramguard can serve, loaded or not")
 async def models(request: Request) -> ModelsResponse:
-    engine = state_of(request).engine
-    runtimes = dict(engine.runtimes)
+    view = state_of(request).engine.view()
     entries = {e.name: e for e in catalogue()}
-    for name, runtime in runtimes.items():  # a --model outside the catalogue (own weights)
-        entries.setdefault(name, CatalogueEntry(name, "torchvision",
-                                                runtime.model.preprocessing.crop, True, ""))
+    for name, loaded in view.models.items():  # a --model outside the catalogue (own weights)
+        entries.setdefault(name, CatalogueEntry(name, "torchvision", loaded.crop, True, ""))
     out = []
     for name, entry in entries.items():
-        fields: dict[str, object] = {"state": "loading" if name in engine.loading
-                                     else "available"}
-        if name in runtimes:
-            fields = _loaded(engine, name, runtimes[name])
+        figures = view.models.get(name)
+        fields = _loaded(figures) if figures is not None else {
+            "state": "loading" if name in view.loading else "available"}
         out.append(ModelOut(name=name, family=entry.family, input_size=entry.input_size,
                             installed=entry.installed, note=entry.note, **fields))
     return ModelsResponse(models=out)

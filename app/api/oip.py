@@ -34,6 +34,7 @@ from app.api.oip_codec import (
 )
 from app.api.oip_infer import VERSION, serve_inference
 from app.engine.engine import InferenceEngine
+from app.engine.view import EngineView
 from app.errors import ApiError, BadRequest, NotFound, NotReady
 from app.gates import error_response
 from app.http.state import AppState, state_of
@@ -97,9 +98,8 @@ async def live() -> Live:
 async def ready(request: Request) -> Response:
     """503 while starting, after a failure or while paused; answered, not raised: polling
     readiness is not a request outcome to count."""
-    engine = state_of(request).engine
     try:
-        _require_serving(engine)
+        _require_serving(state_of(request).engine.view())
     except ApiError as exc:
         return error_response(exc, request.scope["path"])
     return JSONResponse(Ready(ready=True).model_dump())
@@ -155,10 +155,10 @@ def _check_version(name: str, version: str) -> None:
                        f"{version!r}.")
 
 
-def _require_serving(engine: InferenceEngine) -> None:
-    if not engine.ready:
-        raise NotReady(engine.not_ready_message(), retry_after=2)
-    engine.require_unpaused()
+def _require_serving(view: EngineView) -> None:
+    if not view.ready:
+        raise NotReady(view.not_ready_message, retry_after=2)
+    view.require_unpaused()
 
 
 def _unknown(name: str) -> NotFound:
@@ -178,14 +178,14 @@ def _facts(engine: InferenceEngine, name: str) -> _Facts:
     catalogue says (ImageNet's classes; the feature length only the loaded model gives)."""
     if not engine.knows(name):
         raise _unknown(name)
-    runtime = engine.runtimes.get(name)
-    if runtime is None:
+    view = engine.view()
+    loaded = view.models.get(name)
+    if loaded is None:
         entry = next((e for e in catalogue() if e.name == name), None)
         if entry is not None:
             return _Facts(entry.input_size, IMAGENET_CLASSES, -1)
-        runtime = engine.require_runtime(name)  # raises: a --model(s) one, not loaded
-    loaded = runtime.model
-    return _Facts(loaded.preprocessing.crop, loaded.num_classes, loaded.feature_dim)
+        loaded = view.loaded(name)  # raises: a --model(s) one, not loaded
+    return _Facts(loaded.crop, loaded.classes, loaded.features)
 
 
 def _metadata(state: AppState, name: str) -> ModelMetadata:
@@ -210,12 +210,13 @@ def _ready(request: Request, name: str, version: str) -> Response:
         _check_version(name, version)
         if not engine.knows(name):
             raise _unknown(name)
-        _require_serving(engine)
-        loaded = name in engine.runtimes
+        view = engine.view()
+        _require_serving(view)
+        loaded = name in view.models
         if not loaded:
             entry = next((e for e in catalogue() if e.name == name), None)
             if entry is None:
-                engine.require_runtime(name)
+                view.loaded(name)
             elif not entry.installed:
                 raise BadRequest(f"The model {name} cannot be loaded: {entry.note}")
     except ApiError as exc:

@@ -16,19 +16,20 @@ router = APIRouter()
 @router.get("/v1/stats", response_model=StatsResponse, summary="Queue and request counters")
 async def stats(request: Request) -> StatsResponse:
     state = state_of(request)
-    batcher = state.engine.batcher
+    view = state.engine.view()
+    queue = view.queue
     return StatsResponse(
         uptime_s=round(state.stats.uptime_s, 3),
-        phase=state.engine.phase.value,
-        paused=state.engine.paused,
-        queue_depth=batcher.queue_depth,
-        in_flight=batcher.in_flight,
-        batches=batcher.stats.batches,
-        batched_images=batcher.stats.items,
-        mean_batch_size=round(batcher.stats.mean_batch_size, 3),
-        largest_batch=batcher.stats.largest_batch,
-        expired_in_queue=batcher.stats.expired,
-        withdrawn_in_queue=batcher.stats.cancelled,
+        phase=view.phase.value,
+        paused=view.paused,
+        queue_depth=queue.queue_depth,
+        in_flight=queue.in_flight,
+        batches=queue.batches,
+        batched_images=queue.batched_images,
+        mean_batch_size=round(queue.mean_batch_size, 3),
+        largest_batch=queue.largest_batch,
+        expired_in_queue=queue.expired,
+        withdrawn_in_queue=queue.withdrawn,
         requests=state.stats.snapshot(),
         rate_limited=state.limiter.rejected,
         cache_entries=await state.pool.run(len, state.cache) if state.cache is not None else None,
@@ -48,7 +49,7 @@ async def healthz() -> dict[str, str]:
 @router.get("/readyz", summary="Warmup has finished", responses={503: {"model": ErrorResponse}})
 async def readyz(request: Request) -> JSONResponse:
     """Answered directly (not raised): polling readiness is not a request outcome to count."""
-    engine = state_of(request).engine
-    if not engine.ready:
-        return NotReady(engine.not_ready_message(), retry_after=2).response()
+    view = state_of(request).engine.view()
+    if not view.ready:
+        return NotReady(view.not_ready_message, retry_after=2).response()
     return JSONResponse({"status": "ready"})

@@ -149,7 +149,6 @@ class Replica:
         self.name = name
         self.state = make_state(settings, limiter=limiter)
         self.state.metrics.replica = name
-        self.state.metrics.collect_from(self.state)
         port = side_port(settings.replica_port, local_rank)
         self.own = RouteFilter(app_over(self.state, port=port, runs_lifespan=False),
                                self._served_here, self._not_here)

@@ -76,8 +76,7 @@ def plan_evictions(residents: Iterable[Residency], incoming: Footprint, room: in
     cannot make vramguard spend all its time loading)."""
     staying = sorted(residents, key=lambda r: r.last_used)
     victims: list[str] = []
-    candidates = [r for r in staying if not r.pinned and not busy(r.name)
-                  and now - r.loaded_at >= min_residency_s]
+    candidates = evictable(staying, now, busy, min_residency_s)
     while needed([*(r.footprint for r in staying), incoming]) > room:
         if not candidates:
             return None
@@ -85,6 +84,14 @@ def plan_evictions(residents: Iterable[Residency], incoming: Footprint, room: in
         staying.remove(victim)
         victims.append(victim.name)
     return victims
+
+
+def evictable(residents: Iterable[Residency], now: float, busy: Callable[[str], bool],
+              min_residency_s: float) -> list[Residency]:
+    """The models that may be unloaded to make room, least recently used first: the one
+    rule of eviction (see ``plan_evictions``)."""
+    return sorted((r for r in residents if not r.pinned and not busy(r.name)
+                   and now - r.loaded_at >= min_residency_s), key=lambda r: r.last_used)
 
 
 class LoadRate:

@@ -1,7 +1,7 @@
 """``docs/openapi.json``: the API contract as a file, generated from the app itself.
 
 Clients written elsewhere (other languages, code generators) read the contract without
-running vramguard; ``tests/test_openapi_file.py`` fails when the file is out of date.
+running vramguard; ``tests/inprocess/test_openapi_file.py`` fails when the file is out of date.
 Regenerate it with ``python -m app.api.openapi_file``.
 """
 

@@ -20,19 +20,22 @@ from app.api.errors import install_error_handlers
 from app.config import Settings
 from app.engine.engine import InferenceEngine
 from app.errors import Unauthorized
-from app.gates.admin_token import AdminToken, check_bearer, load_or_create_token
+from app.gates.admin_token import check_bearer
 from app.gates.api_key import ApiKeyGate, load_api_key
 from app.gates.body_limit import BodySizeLimit
 from app.gates.host_origin import HostOriginGate
 from app.gates.rate_limit import Limiter, Rate, RateLimiter, RateLimitMiddleware
+from app.gates.request_metrics import MetricsMiddleware
 from app.gates.ui_session import UiSessions
+from app.host.token_file import AdminToken, load_or_create_token
 from app.http.live_feed import EventHub
 from app.http.state import AppState
 from app.http.stats import RequestStats
 from app.imaging.cpu_pool import CpuPool
 from app.imaging.decode_pool import DecodeLimits, DecodePool
 from app.imaging.result_cache import ResultCache
-from app.observe.metrics import Metrics, MetricsMiddleware
+from app.observe.collector import AppCollector
+from app.observe.registry import Metrics
 from app.schemas import LiveSample
 
 log = logging.getLogger("vramguard.server")
@@ -84,18 +87,18 @@ async def _monitor(state: AppState) -> None:
 
 def live_sample(state: AppState) -> LiveSample | None:
     """What the tray and the dashboard draw: memory, queue and outcomes, right now."""
-    report = state.engine.last_report
-    if report is None:
+    view = state.engine.view()
+    if view.memory is None:
         return None
-    batcher = state.engine.batcher
+    queue = view.queue
     return LiveSample(
-        **report.model_dump(),
+        **view.memory.model_dump(),
         t=round(time.time(), 3),
-        queue_depth=batcher.queue_depth,
-        in_flight=batcher.in_flight,
-        batches=batcher.stats.batches,
-        mean_batch_size=round(batcher.stats.mean_batch_size, 3),
-        paused=state.engine.paused,
+        queue_depth=queue.queue_depth,
+        in_flight=queue.in_flight,
+        batches=queue.batches,
+        mean_batch_size=round(queue.mean_batch_size, 3),
+        paused=view.paused,
         requests=state.stats.snapshot(),
         rate_limited=state.limiter.rejected,
     )
@@ -146,11 +149,12 @@ def make_state(settings: Settings, engine: InferenceEngine | None = None,
                limiter: Limiter | None = None) -> AppState:
     """Everything the app holds; ``engine`` lets in-process tests bring their own, and
     ``limiter`` a cluster replica its shared buckets (app/cluster); ApiKeyFileError when
-    the API key file cannot be used (read first, before anything is started)."""
+    the API key file cannot be used (read first, before anything is started). Its
+    metrics registry reads the state through the collector registered here."""
     api_key = load_api_key(settings.api_key_file) if settings.api_key_file else None
     cache = ResultCache(settings.cache_dir, int(settings.cache_size)) if settings.cache else None
     pool = CpuPool(settings.decode_workers, max_waiting=settings.queue_size)
-    return AppState(
+    state = AppState(
         settings=settings,
         engine=engine or InferenceEngine(settings),
         pool=pool,
@@ -164,6 +168,8 @@ def make_state(settings: Settings, engine: InferenceEngine | None = None,
         metrics=Metrics(),
         api_key=api_key,
     )
+    state.metrics.register(AppCollector(state))
+    return state
 
 
 def gates(settings: Settings, state: AppState) -> list[Middleware]:
@@ -204,9 +210,7 @@ def gates(settings: Settings, state: AppState) -> list[Middleware]:
 def create_app(settings: Settings, engine: InferenceEngine | None = None,
                limiter: Limiter | None = None) -> FastAPI:
     """Build the app; the model loads when the app starts (lifespan), not here."""
-    state = make_state(settings, engine, limiter)
-    state.metrics.collect_from(state)
-    return app_over(state)
+    return app_over(make_state(settings, engine, limiter))
 
 
 def app_over(state: AppState, *, port: int | None = None, runs_lifespan: bool = True

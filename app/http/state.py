@@ -8,15 +8,15 @@ from starlette.requests import HTTPConnection
 
 from app.config import Settings
 from app.engine.engine import InferenceEngine
-from app.gates.admin_token import AdminToken
 from app.gates.rate_limit import Limiter
 from app.gates.ui_session import UiSessions
+from app.host.token_file import AdminToken
 from app.http.live_feed import EventHub
 from app.http.stats import RequestStats
 from app.imaging.cpu_pool import CpuPool
 from app.imaging.decode_pool import DecodePool
 from app.imaging.result_cache import ResultCache
-from app.observe.metrics import Metrics
+from app.observe.registry import Metrics
 
 
 @dataclass

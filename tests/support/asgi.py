@@ -14,8 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any, cast
+from typing import Any
 
 import httpx
 import numpy as np
@@ -27,12 +26,18 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app.config import Settings, load_settings
 from app.engine.batcher import Reservation
-from app.engine.engine import InferenceEngine, Phase, Runtime
-from app.engine.predictor import Prediction, Ranked, Sample
+from app.engine.engine import InferenceEngine, MemoryProfile, Phase, Runtime
+from app.engine.oom import OomRecovery
+from app.engine.predictor import Prediction, Predictor, Ranked, Sample
+from app.engine.warmup import WarmupProfile
 from app.http.server import create_app
 from app.http.state import AppState
-from app.imaging.decoding import Preprocessing
+from app.memory.budget import Budget
+from app.memory.fit import MemoryFit
+from app.memory.guard import MemoryGuard
+from app.memory.probes import CpuProbe
 from app.models import LoadedModel
+from app.preprocessing import Preprocessing
 
 PORT = 8765
 BASE_URL = f"http://127.0.0.1:{PORT}"
@@ -56,6 +61,19 @@ def make_settings(tmp_path: Path, **overrides: Any) -> Settings:
     return load_settings(**{**values, **overrides})
 
 
+def stand_in_runtime(model: LoadedModel) -> Runtime:
+    """A real runtime around ``model`` with figures set by hand (no warmup, no device):
+    what the engine's view reads of a loaded model."""
+    fit = MemoryFit(0, 1)
+    probe = CpuProbe(0, None)
+    guard = MemoryGuard(Budget(total=2**30, fraction=1.0, weights=0, overhead=0), fit,
+                        max_batch=1)
+    predictor = Predictor(model, keep_all=False)
+    return Runtime(model, predictor, probe, guard, OomRecovery(predictor, guard, probe),
+                   MemoryProfile(0, 0, 0, fit, [(1, 0)]),
+                   WarmupProfile(chosen_batch_size=1, duration_s=WARMUP_S))
+
+
 class ReadyEngine(InferenceEngine):
     """A real engine object that reports itself ready with a stand-in model (no weights,
     no device thread); ``classify`` ranks the classes in reverse order without a
@@ -69,11 +87,9 @@ class ReadyEngine(InferenceEngine):
                                                         std=(255.0, 255.0, 255.0)),
                             weights_file=Path("stand-in.pt"), weights_version="stand-in",
                             device=torch.device("cpu"))
-        # Only what the routes under test read: the model and the warmup's duration; a
-        # lane, never run (no device thread), for admission to count places in.
-        self.runtimes[model.name] = cast(Runtime, SimpleNamespace(
-            model=model, warmup=SimpleNamespace(duration_s=WARMUP_S),
-            memory=SimpleNamespace(weights_bytes=0), guard=SimpleNamespace(max_batch=1)))
+        # Loaded by hand, not installed: a lane, never run (no device thread), for
+        # admission to count places in.
+        self.runtimes[model.name] = stand_in_runtime(model)
         self.batcher.add_lane(model.name, lambda samples: [])
         self.phase = Phase.READY
         self.samples: list[Sample] = []

@@ -1,4 +1,4 @@
-// The client against a real vramguard (`python -m app serve`). tests/test_client_js.py
+// The client against a real vramguard (`python -m app serve`). tests/live/test_client_js_live.py
 // starts two and runs these with VRAMGUARD_URL (rate limit off) and VRAMGUARD_LIMITED_URL
 // (one classify token, refilled every 2 s); without them these tests skip.
 
@@ -10,8 +10,8 @@ import { chelsea, coffee, makePng } from "./helpers.mjs";
 
 const URL_ = process.env.VRAMGUARD_URL;
 const LIMITED = process.env.VRAMGUARD_LIMITED_URL;
-const noServer = URL_ ? false : "VRAMGUARD_URL is not set (tests/test_client_js.py starts a server and sets it)";
-const noLimited = LIMITED ? false : "VRAMGUARD_LIMITED_URL is not set (tests/test_client_js.py sets it)";
+const noServer = URL_ ? false : "VRAMGUARD_URL is not set (tests/live/test_client_js_live.py starts a server and sets it)";
+const noLimited = LIMITED ? false : "VRAMGUARD_LIMITED_URL is not set (tests/live/test_client_js_live.py sets it)";
 
 /** The real fetch, recording each request: when it left and when its answer came
  * (client clock), the status, the answer's Date and Retry-After; and the server's own

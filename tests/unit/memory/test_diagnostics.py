@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,7 +34,7 @@ from app.memory.diagnostics import (
 from app.memory.fit import MemoryFit
 from app.memory.guard import MemoryGuard
 from app.memory.probes import CudaProbe
-from app.observe.metrics import GPU_ONLY_SERIES
+from app.observe.registry import GPU_ONLY_SERIES
 from app.schemas import MemoryReport
 from tray.client import ApiClient
 from tray.controller import TrayController
@@ -199,7 +200,7 @@ def gpu(monkeypatch, tmp_path):
 
     def make(**settings: object) -> InferenceEngine:
         engine = InferenceEngine(load_settings(device="cuda", log_dir=tmp_path / "logs",
-                                               **settings))
+                                               **settings), clock=QUIET)
         probe = CudaProbe(torch.device("cuda", 0), WEIGHTS)
         fit = MemoryFit(0, 100 * MiB)
         guard = MemoryGuard(Budget(8 * GiB, 1.0, WEIGHTS, 0, cap=2 * GiB + WEIGHTS), fit,
@@ -218,11 +219,24 @@ def gpu(monkeypatch, tmp_path):
         engine.batcher.stop()
 
 
+class QuietClock:
+    """The engine's clock, moved on by hand: a quiet spell without waiting for it."""
+
+    def __init__(self) -> None:
+        self.now = time.monotonic()
+
+    def __call__(self) -> float:
+        return self.now
+
+
+QUIET = QuietClock()
+
+
 def serve_then_idle(engine: InferenceEngine, images: int) -> MemoryReport:
     """``images`` requests at once, then a tick long after them (a quiet spell)."""
     futures = [engine.batcher.submit(image(), 10) for _ in range(images)]
     assert all(isinstance(f.result(10), Prediction) for f in futures)
-    engine._last_activity -= 3600  # an hour of quiet, without waiting for it
+    QUIET.now += 3600  # an hour of quiet, without waiting for it
     engine.batcher.call(engine.tick).result(10)
     assert engine.last_report is not None
     return engine.last_report
