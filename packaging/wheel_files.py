@@ -6,8 +6,9 @@
 
 Keeps, with their sizes, every native file (.dll, .pyd, .exe), the largest files and the
 longest paths: what the manifest, the installer's part size and Windows' path limit are
-checked against (tests/unit/packaging/test_bundle_manifest.py). Run it again after changing the torch
-pins, or on the cu130 wheels from a machine that can reach PyTorch's index.
+checked against (tests/unit/packaging/test_bundle_manifest.py). Run it again after
+changing the torch pins, or on the cu130 wheels from a machine that can reach PyTorch's
+index.
 """
 
 from __future__ import annotations
