@@ -1,0 +1,247 @@
+"""Calibration: what a model costs, measured at warmup or read from its stored profile, and
+the runtime (guard, OOM recovery, adaptive batch size) built from it.
+
+The rule: a profile is reused only for the same model, weights, device, driver and torch
+(``ProfileKey``), and never one marked ``out_of_memory_on_load``; a measurement made short
+of memory is stored so marked, so the next load measures again. Runs on the device thread.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from app.config import Settings
+from app.engine.batch_size import AdaptiveBatchSize
+from app.engine.oom import ErrorKind, OomRecovery, classify_error, unless_out_of_memory
+from app.engine.predictor import Predictor, Sample
+from app.engine.profiles import ModelProfile, ProfileKey, ProfileStore, device_identity
+from app.engine.residency import Footprint
+from app.engine.runtime import Clock, LoadedModels, MemoryProfile, Runtime, weights_bytes
+from app.engine.warmup import (
+    NEAR_TIE,
+    OutOfMemoryAtWarmup,
+    WarmupProfile,
+    choose_batch_size,
+    profile,
+)
+from app.memory.fit import fit_linear
+from app.memory.guard import MemoryGuard
+from app.memory.probes import Probe
+from app.memory.trim import give_back_to_os
+from app.models import LoadedModel, resolve_weights
+from app.models.registry import fingerprint
+
+log = logging.getLogger("vramguard.engine")
+MEMORY_PROFILE_SIZES = 4  # batch sizes 1, 2, 4, 8 (as far as warmup went)
+Measured = tuple[WarmupProfile, list[tuple[int, int]], int]  # timings, memory points, size
+
+
+class Calibration:
+    """Measures models (or reuses their profiles) into runtimes, and predicts footprints."""
+
+    def __init__(self, settings: Settings, models: LoadedModels, profiles: ProfileStore,
+                 clock: Clock) -> None:
+        self.settings = settings
+        self.models = models
+        self.profiles = profiles
+        self._clock = clock
+        self._fingerprints: dict[tuple[Path, int, int], str] = {}  # weights file -> version
+
+    def profile_key(self, name: str, weights_version: str) -> ProfileKey:
+        device, driver = device_identity(self.models.device)
+        return ProfileKey(name, weights_version, device, driver, torch.__version__)
+
+    def weights_path(self, name: str) -> Path:
+        return resolve_weights(name, self.settings.weights if name == self.settings.model
+                               else None)
+
+    def guess(self, name: str) -> Footprint:
+        """What ``name`` will take: its stored profile's weights and batch, else its weights
+        file's size (the batch is measured once loaded). The load itself reports a file
+        that cannot be found or read."""
+        try:
+            path = self.weights_path(name)
+            stat = path.stat()
+        except Exception:
+            return Footprint(0, 0)
+        version = self._fingerprints.get((path, stat.st_mtime_ns, stat.st_size))
+        if version is None:
+            version = fingerprint(path)
+            self._fingerprints[(path, stat.st_mtime_ns, stat.st_size)] = version
+        stored = self.profiles.get(self.profile_key(name, version))
+        if stored is None or stored.out_of_memory_on_load:
+            return Footprint(stat.st_size, 0)
+        size = min(self.settings.batch_size or stored.chosen_batch_size, stored.points[-1][0])
+        return Footprint(stored.weights_bytes, stored.footprint_peak(size))
+
+    def mark_out_of_memory(self, name: str) -> None:
+        """Keep in the profile that this model ran out of memory loading (copying its
+        weights or warming up, in any of the forms CUDA has): the next load measures it
+        again instead of trusting figures that did not hold."""
+        stamps = [(path, version) for (path, _, _), version in self._fingerprints.items()]
+        for path, version in stamps:
+            if path != self.weights_path(name):
+                continue
+            stored = self.profiles.get(self.profile_key(name, version))
+            if stored is not None:
+                stored.out_of_memory_on_load = True
+                self.profiles.put(stored)
+
+    def runtime_for(self, model: LoadedModel, started: float
+                    ) -> tuple[Runtime, ModelProfile | None]:
+        """Time batch sizes and measure their memory (or reuse the stored profile), then
+        set up the guard (before any cap applies); the runtime, and the profile reused
+        (None when measured). OutOfMemoryAtWarmup when the device ran out doing it."""
+        models, settings = self.models, self.settings
+        predictor = Predictor(model, keep_all=settings.cache)
+        size = weights_bytes(model)
+        probe = models.the_probe()
+        models.set_weights(models.weights_total() + size)
+        key = self.profile_key(model.name, model.weights_version)
+        stored = self.profiles.get(key)
+        reused = stored if stored is not None and not stored.out_of_memory_on_load else None
+        try:
+            if reused is not None:
+                warmup, points, chosen = self._reuse(predictor, probe, reused, started)
+            else:
+                warmup, points, chosen = self._measure(predictor, probe)
+                # Measured short of memory (another program, a model not unloaded yet):
+                # kept for now, but the next load measures again.
+                self.profiles.put(ModelProfile(
+                    key, size, fit_linear(points), points, warmup.timings, chosen,
+                    warmup.out_of_memory_at,
+                    out_of_memory_on_load=warmup.out_of_memory_at is not None))
+        except Exception as exc:
+            models.set_weights(models.weights_total())
+            if isinstance(exc, OutOfMemoryAtWarmup) or (
+                    classify_error(exc) is ErrorKind.OUT_OF_MEMORY):
+                raise OutOfMemoryAtWarmup() from None
+            raise
+        probe.empty_cache()
+        give_back_to_os()  # warmup's largest batch would stay resident on the host
+        probe.set_baseline()
+        reading = probe.read()
+        if models.others_at_start is None:
+            models.others_at_start = reading.others
+        memory = MemoryProfile(size, reading.overhead, models.others_at_start,
+                               fit_linear(points), points)
+        budget = models.budget_for(reading, models.weights_total() + size)
+        models.share(budget)
+        guard = MemoryGuard(budget, memory.fit, max_batch=chosen,
+                            high=settings.high_watermark, low=settings.low_watermark)
+        probe.set_backstop(settings.memory_fraction)
+        probe.reset_peak()
+        adaptive = None if settings.batch_size else AdaptiveBatchSize(
+            [(t.batch_size, t.seconds) for t in warmup.timings], initial=chosen,
+            max_size=max(chosen, self._ceiling(warmup, points)),
+            target_latency_s=settings.target_latency_ms / 1000)
+        if reused is not None:
+            log.info("%s: reused the profile measured on %s for this model, device and "
+                     "versions (%s)", model.name,
+                     time.strftime("%Y-%m-%d %H:%M", time.localtime(reused.measured_at)),
+                     self.profiles.folder / key.file_name())
+        return Runtime(model, predictor, probe, guard, OomRecovery(predictor, guard, probe),
+                       memory, warmup, reused is not None, adaptive), reused
+
+    @staticmethod
+    def _ceiling(warmup: WarmupProfile, points: list[tuple[int, int]]) -> int:
+        """The largest batch size service may move to: measured in memory, and not past a
+        size warmup timed as slower per image than the best (a CPU's cost per image rises
+        with the batch, which the a + b x n line cannot represent)."""
+        best = max(t.images_per_second for t in warmup.timings)
+        timed = max(t.batch_size for t in warmup.timings
+                    if t.images_per_second >= NEAR_TIE * best)
+        return min(timed, points[-1][0])
+
+    def _reuse(self, predictor: Predictor, probe: Probe, stored: ModelProfile,
+               started: float) -> Measured:
+        """A stored profile instead of the measurement. One pass at the chosen batch size
+        still runs, so that the first request does not pay for the first pass's setup, and
+        so that the C allocator and torch's kernels start where a measurement leaves them:
+        after a pass of one image only, every later lone image took 27 ms instead of 21
+        (EfficientNet-Lite0, 2-core CPU; 22 ms after a pass of 4). A profile measured
+        with more room than there is now may not fit that pass: one image then warms up,
+        and the memory guard sizes the batches as the memory in use allows."""
+        timings = [t for t in stored.timings if t.batch_size <= self.settings.max_batch_size]
+        chosen = self.settings.batch_size or choose_batch_size(
+            timings or stored.timings[:1], self.settings.target_latency_ms / 1000)
+        chosen = min(chosen, stored.points[-1][0])
+        try:
+            predictor(predictor.random_batch(chosen))
+        except Exception as exc:
+            if chosen == 1 or classify_error(exc) is not ErrorKind.OUT_OF_MEMORY:
+                raise
+            log.warning("%s: a batch of %d no longer fits in memory while loading; warming "
+                        "up with one image", stored.key.model, chosen)
+            probe.empty_cache()
+            predictor(predictor.random_batch(1))
+        return stored.warmup(self._clock() - started), list(stored.points), chosen
+
+    def _measure(self, predictor: Predictor, probe: Probe) -> Measured:
+        """Time batch sizes and measure each one's memory; the chosen size fits."""
+        pool: list[Sample] = []
+
+        def inputs(size: int) -> list[Sample]:
+            """The first ``size`` of one growing set of random inputs: built once, reused
+            by every size and repeat (the sizes together would hold twice the memory)."""
+            if len(pool) < size:
+                pool.extend(predictor.random_batch(size - len(pool)))
+            return pool[:size]
+
+        warmup = profile(predictor, self.settings.max_batch_size,
+                         self.settings.target_latency_ms / 1000, build=inputs,
+                         free=probe.empty_cache)
+        chosen = self.settings.batch_size or warmup.chosen_batch_size
+        tried = [t.batch_size for t in warmup.timings]
+        if warmup.out_of_memory_at is not None and chosen >= warmup.out_of_memory_at:
+            log.warning("batch size %d does not fit in memory: using %d", chosen, tried[-1])
+            chosen = tried[-1]
+        points = memory_points(predictor, probe, inputs, tried, chosen)
+        pool.clear()
+        if points[-1][0] < chosen:
+            log.warning("batch size %d does not fit in memory: using %d", chosen,
+                        points[-1][0])
+            chosen = points[-1][0]
+        return warmup, points, chosen
+
+    def remeasure(self, name: str, key: ProfileKey) -> None:
+        """An old profile was reused at load: measure again, between batches, for the next
+        load (a machine drifts; the live figures are corrected by serving itself)."""
+        runtime = self.models.runtimes.get(name)
+        if runtime is None:
+            return
+        warmup, points, chosen = self._measure(runtime.predictor, runtime.probe)
+        runtime.probe.empty_cache()
+        self.profiles.put(ModelProfile(key, runtime.memory.weights_bytes, fit_linear(points),
+                                       points, warmup.timings, chosen,
+                                       warmup.out_of_memory_at))
+        log.info("%s: profile measured again (the stored one was over 30 days old)", name)
+
+
+def memory_points(predictor: Predictor, probe: Probe, inputs: Callable[[int], list[Sample]],
+                  tried: list[int], chosen: int) -> list[tuple[int, int]]:
+    """Peak memory of a batch at the first sizes tried, at the largest tried and at the
+    chosen one, smallest first, up to the first that runs out of memory.
+
+    The small sizes give the slope; the large ones are measured because cuDNN picks an
+    algorithm per shape and its workspace can jump with the batch size, which no
+    extrapolation from 1-8 would show (the fit is then raised to cover them)."""
+    sizes = sorted({*tried[:MEMORY_PROFILE_SIZES], tried[-1], chosen})
+    points: list[tuple[int, int]] = []
+    for size in sizes:
+        batch = inputs(size)
+        peak = unless_out_of_memory(
+            functools.partial(probe.measure_peak, functools.partial(predictor, batch)))
+        if peak is None:
+            probe.empty_cache()
+            if not points:
+                raise OutOfMemoryAtWarmup()
+            break
+        points.append((size, peak))
+    return points

@@ -1,0 +1,150 @@
+"""Upkeep, once a second on the device thread (``tick``): follow other programs' memory,
+update the watermark state, unload models whose keep-alive has run out, and once per quiet
+spell after work diagnose what is still in use, give memory back and trace a leak.
+
+The rules: a quiet spell is ``idle_release_s`` (else ``IDLE_PERIOD_S``) without a request,
+after at least one batch since the last one and with nothing queued; the cache is given
+back then when idle release is on, and whatever the setting when it is fragmented.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from app.config import Settings
+from app.engine.batcher import MicroBatcher
+from app.engine.oom import Outcome
+from app.engine.predictor import Sample
+from app.engine.report import MemoryReports
+from app.engine.runtime import Clock, LoadedModels, Runtime, busy
+from app.memory.diagnostics import IDLE_PERIOD_S, IdleFindings
+from app.memory.probes import CudaProbe, MemoryReading
+from app.memory.trim import give_back_to_os
+from app.units import human_bytes
+
+log = logging.getLogger("vramguard.engine")
+Unload = Callable[[str, str, bool], None]  # name, reason, strict
+
+
+class Upkeep:
+    """What the memory monitor's tick does; ``unload`` is the engine's unload step."""
+
+    def __init__(self, settings: Settings, models: LoadedModels,
+                 batcher: MicroBatcher[Sample, Outcome], reports: MemoryReports,
+                 clock: Clock, unload: Unload) -> None:
+        self.settings = settings
+        self.models = models
+        self.batcher = batcher
+        self.reports = reports
+        self._clock = clock
+        self._unload = unload
+        self.last_activity = clock()
+        self._peak_since_tick = 0
+        self._released = True
+        self._batches_at_idle = 0  # batches served when the last idle period was diagnosed
+        self._recording_stacks = False
+        self._leak_snapshot: Path | None = None
+
+    def touch(self) -> None:
+        """A request came: the quiet spell starts again."""
+        self.last_activity = self._clock()
+
+    def note_batch(self, usage: int) -> None:
+        """A batch ran using ``usage`` bytes: the tick's peak, and memory to give back."""
+        self._peak_since_tick = max(self._peak_since_tick, usage)
+        self._released = False
+
+    def expire(self, name: str) -> None:
+        """Unload ``name`` when its keep-alive has run out and nothing of it is queued."""
+        resident = self.models.residents.get(name)
+        if (resident is not None and resident.expired(self._clock())
+                and not busy(self.batcher, name)):
+            self._unload(name, "expired", False)
+
+    def tick(self) -> MemoryReading | None:
+        """Once a second: follow other programs' memory, update the state, unload models
+        whose keep-alive has run out; once per quiet spell after work, diagnose memory and
+        give the cache back."""
+        models = self.models
+        runtime = models.primary
+        if runtime is None:
+            return None
+        probe = runtime.probe
+        reading = probe.read()
+        growth = reading.others - (models.others_at_start or 0)
+        for each in list(models.runtimes.values()):
+            each.guard.shrink_for_others(growth)
+        usage, self._peak_since_tick = max(self._peak_since_tick, probe.held()), 0
+        models.observe(usage)
+        for name in list(models.residents):
+            self.expire(name)
+        runtime = models.primary
+        if runtime is None:
+            return reading
+        idle = self._clock() - self.last_activity
+        batches = self.batcher.stats.batches
+        if (idle >= (self.settings.idle_release_s or IDLE_PERIOD_S)
+                and batches != self._batches_at_idle and self.batcher.queue_depth == 0):
+            self._batches_at_idle = batches
+            self._idle_period(runtime, idle)
+        self.reports.last = self.reports.report(runtime)
+        return reading
+
+    def _idle_period(self, runtime: Runtime, idle: float) -> None:
+        """Diagnose what tensors still hold with nothing running, then give the cache back:
+        always with idle release on, and whatever the setting when it is fragmented."""
+        reading = runtime.probe.read()
+        diagnostics = self.reports.diagnosed(reading)
+        found = diagnostics.idle(reading.allocated, reading.reserved)
+        if found.fragmented or (self.settings.idle_release_s and not self._released):
+            self.release(runtime)
+            runtime.guard.counters.idle_releases += 1
+            log.info("idle for %.0f s: cached memory given back%s", idle,
+                     " (it held 5 or more times what was in use: fragmented)"
+                     if found.fragmented else "")
+        if isinstance(runtime.probe, CudaProbe):
+            self._trace_leak(found)
+        if found.leak_raised:
+            log.warning("possible memory leak: after each quiet spell vramguard keeps more "
+                        "memory in use than after the one before, now %s more than after "
+                        "warmup (levels: %s). Something keeps old work in memory; restarting "
+                        "vramguard gives it back.%s", human_bytes(diagnostics.leak_growth),
+                        ", ".join(human_bytes(level) for level in diagnostics.baselines),
+                        f" Allocator snapshot: {self._leak_snapshot}"
+                        if self._leak_snapshot else "")
+
+    def _trace_leak(self, found: IdleFindings) -> None:
+        """CUDA only. From the first rise of memory left in use until it falls back, the
+        allocator keeps the Python stack of each live block (about 2 us per allocation),
+        so that the snapshot written the first time a leak is suspected shows where the
+        kept tensors were made; it is opened at pytorch.org/memory_viz."""
+        memory = torch.cuda.memory
+        if self._leak_snapshot is None and found.rising and not self._recording_stacks:
+            memory._record_memory_history(enabled="state", context="state", stacks="python")
+            self._recording_stacks = True
+        if found.leak_raised and self._leak_snapshot is None:
+            path = self.settings.log_dir / time.strftime("leak-snapshot-%Y%m%d-%H%M%S.pickle")
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                memory._dump_snapshot(str(path))  # type: ignore[no-untyped-call]  # no hints
+                self._leak_snapshot = path
+            except (OSError, RuntimeError) as exc:
+                log.warning("could not write the allocator snapshot %s: %s", path, exc)
+        if self._recording_stacks and (self._leak_snapshot is not None or not found.rising):
+            memory._record_memory_history(enabled=None)
+            self._recording_stacks = False
+
+    def release(self, runtime: Runtime) -> tuple[int, int]:
+        """Empty the allocator cache and trust the profile again; bytes held before/after."""
+        before = runtime.probe.read().reserved
+        runtime.probe.empty_cache()
+        give_back_to_os()  # the host side too: pinned buffers, the CPU's activations
+        for each in list(self.models.runtimes.values()):
+            each.guard.relax()
+        self._released = True
+        return before, runtime.probe.read().reserved
