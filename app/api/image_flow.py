@@ -22,7 +22,7 @@ import torch
 from fastapi import Query, Request
 from starlette.datastructures import UploadFile
 
-from app.engine.batcher import Reservation
+from app.engine.lanes import Reservation
 from app.engine.predictor import CLASSIFY, EMBED, Ranked, Sample, numerics
 from app.errors import BadRequest, ClientGone, UnsupportedMediaType, too_busy_to_start
 from app.gates.body_limit import body_done

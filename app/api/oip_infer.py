@@ -30,7 +30,7 @@ from app.api.oip_codec import (
     encode_response,
     parse_request,
 )
-from app.engine.batcher import Reservation
+from app.engine.lanes import Reservation
 from app.engine.predictor import CLASSIFY, EMBED
 from app.errors import ApiError, BadRequest, UnsupportedMediaType
 from app.gates.body_limit import body_done

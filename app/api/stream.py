@@ -60,7 +60,7 @@ from app.api.image_flow import (
 )
 from app.api.multipart_reader import MultipartReader, Part, boundary_of
 from app.api.stream_lines import NDJSON, SSE, LineWriter, error_line
-from app.engine.batcher import Reservation
+from app.engine.lanes import Reservation
 from app.engine.predictor import CLASSIFY, EMBED
 from app.errors import ApiError, BadRequest, ClientGone, InternalError, Overloaded
 from app.gates.body_limit import body_dropped

@@ -24,19 +24,27 @@ batches of the other lanes that the turns put before it.
 from __future__ import annotations
 
 import asyncio
-import copy
 import itertools
 import logging
-import math
-import statistics
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from app.engine.lanes import (
+    BatcherStats,
+    Lane,
+    Reservation,
+    WorkItem,
+    check_room,
+    fail,
+    in_turn,
+    predicted_wait,
+    run_call,
+    without_traceback,
+)
 from app.errors import DeadlineExceeded, Overloaded
 
 P = TypeVar("P")
@@ -44,116 +52,11 @@ R = TypeVar("R")
 T = TypeVar("T")
 log = logging.getLogger("vramguard.engine")
 MEMORY_POLL_S = 0.05
-# The estimate of seconds per image is the median of the last batches: it follows a real
-# change within a few batches, and one batch stalled by a busy machine does not swing it.
-RATE_WINDOW = 15
 # An admitted image must be predicted to be answered within this share of its time: the
 # rest absorbs its reading and decoding and the swings of the measured rate, so that
 # little admitted work expires after it was read and decoded.
 ADMISSION_SHARE = 0.8
 DEFAULT_LANE = "default"
-
-
-def _without_traceback(exc: Exception) -> Exception:
-    """A copy of a batch's exception for one request to keep: the original's traceback
-    holds the batch's frames, and with them its tensors (on a GPU, its activations), for
-    as long as any request holds the exception. One copy per request, because each
-    handler that raises it adds its own frames to its traceback."""
-    try:
-        clone = copy.copy(exc)  # type, args and attributes; no traceback, cause or context
-    except Exception:
-        clone = RuntimeError(str(exc))
-    return clone.with_traceback(None)
-
-
-@dataclass(eq=False)
-class WorkItem(Generic[P, R]):
-    """One queued request: its input, when it came, when it stops being worth computing."""
-
-    payload: P
-    enqueued_at: float
-    deadline: float
-    future: Future[R] = field(default_factory=Future)
-
-
-@dataclass
-class BatcherStats:
-    """Counters since start; read without the lock (each is a single int)."""
-
-    batches: int = 0
-    items: int = 0
-    expired: int = 0
-    cancelled: int = 0
-    failed_batches: int = 0
-    largest_batch: int = 0
-    sizes: Counter[int] = field(default_factory=Counter)
-
-    @property
-    def mean_batch_size(self) -> float:
-        return self.items / self.batches if self.batches else 0.0
-
-
-class Reservation:
-    """A place kept in line for a request whose image is still being read or decoded; it
-    becomes a queued item on ``submit``, or is given back on leaving the ``with`` block."""
-
-    def __init__(self, release: Callable[[], None]) -> None:
-        self._release = release
-        self.held = True
-
-    def take(self) -> bool:
-        """Use the place (once); False if it was already used or given back."""
-        held, self.held = self.held, False
-        return held
-
-    def __enter__(self) -> Reservation:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.take():
-            self._release()
-
-
-class Lane(Generic[P, R]):
-    """One model's queue and what is measured about it; the batcher's lock guards it."""
-
-    def __init__(self, name: str, run_batch: Callable[[list[P]], Sequence[R]], max_batch: int,
-                 batch_limit: Callable[[], int] | None) -> None:
-        if max_batch < 1:
-            raise ValueError("max_batch must be >= 1")
-        self.name = name
-        self.run_batch = run_batch
-        self.batch_limit = batch_limit
-        self.max_batch = max_batch
-        self.queue: deque[WorkItem[P, R]] = deque()
-        self.reserved = 0
-        self.in_flight = 0
-        self.turn = 0  # when it was last served, in batches of the whole batcher
-        self.seconds_per_item = 0.0
-        self.recent: deque[float] = deque(maxlen=RATE_WINDOW)  # seconds per image
-        self.last_end: float | None = None  # when its last batch ended
-        self.had_backlog = False  # images were waiting when it ended
-        # Only full batches are measured: the wait that admission predicts matters when a
-        # backlog forms, and then batches are full. A lone image's batch costs more per
-        # image (on a GPU, nearly as much as a full batch) and would refuse bursts.
-        self.full = False
-        self.stats = BatcherStats()
-
-    @property
-    def waiting(self) -> int:
-        """Images admitted and not yet in a batch: being read or decoded, or queued."""
-        return self.reserved + len(self.queue)
-
-    def measure(self, took_s: float, items: int) -> None:
-        """Add a batch's seconds per image to the recent ones; their median is the estimate."""
-        if took_s <= 0:
-            return
-        self.recent.append(took_s / items)
-        self.seconds_per_item = statistics.median(self.recent)
-
-    def set_service_rate(self, items_per_second: float) -> None:
-        self.seconds_per_item = 1.0 / items_per_second if items_per_second > 0 else 0.0
-        self.recent.clear()
 
 
 class MicroBatcher(Generic[P, R]):
@@ -217,7 +120,7 @@ class MicroBatcher(Generic[P, R]):
             if lane is not None:
                 lane.queue.clear()
         for item in leftovers:
-            self._fail(item, error)
+            fail(item, error)
 
     def lane(self, name: str | None = None) -> Lane[P, R]:
         """The lane called ``name`` (KeyError if none); without a name, the first lane
@@ -286,7 +189,7 @@ class MicroBatcher(Generic[P, R]):
                 lane.queue.clear()
             self._cond.notify_all()
         for item in leftovers:
-            self._fail(item, Overloaded("vramguard is shutting down.", retry_after=5))
+            fail(item, Overloaded("vramguard is shutting down.", retry_after=5))
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
@@ -297,28 +200,15 @@ class MicroBatcher(Generic[P, R]):
         return max(1.0, self.predicted_wait(lane))
 
     def predicted_wait(self, lane: str | None = None) -> float:
-        """Seconds a request admitted now to ``lane`` would wait: everything reserved,
-        queued and running in its lane goes first, at the lane's measured rate, and so do
-        the other lanes' batches that their turns put before its answer."""
-        own = self.lane(lane)
-        ahead = own.waiting + own.in_flight
-        wait = ahead * own.seconds_per_item
-        turns = math.ceil((own.waiting + 1) / own.max_batch)
-        for other in self.lanes:
-            if other is not own:
-                wait += (min(other.waiting + other.in_flight, turns * other.max_batch)
-                         * other.seconds_per_item)
-        return wait
+        """Seconds a request admitted now to ``lane`` would wait (``lanes.predicted_wait``)."""
+        return predicted_wait(self.lane(lane), self.lanes)
 
     def _check_room(self, lane: Lane[P, R], timeout_s: float) -> None:
         """Overloaded unless one more request fits in the queues and its answer is
         predicted within ``timeout_s`` (a fast no beats a slow one). Hold the lock."""
         if self._stopping:
             raise Overloaded("vramguard is shutting down.", retry_after=5)
-        own_turn = self.predicted_wait(lane.name) + lane.seconds_per_item
-        if self.backlog >= self._queue_size or own_turn > timeout_s:
-            raise Overloaded("vramguard is busy: too many images are waiting. "
-                             "Try again shortly.", retry_after=self.retry_after(lane.name))
+        check_room(lane, self.lanes, self._queue_size, timeout_s)
 
     def reserve(self, timeout_s: float, lane: str | None = None) -> Reservation:
         """Keep a place in ``lane`` for a request about to be read and decoded, or raise
@@ -388,28 +278,22 @@ class MicroBatcher(Generic[P, R]):
                     if not batch and self._has_work():
                         self._cond.wait(MEMORY_POLL_S)  # nothing fits now: look again soon
             if call is not None:
-                self._run_call(*call)
+                run_call(*call)
                 continue
             for item, error in dropped:
-                self._fail(item, error)
+                fail(item, error)
             if batch and lane is not None:
                 self._run(lane, batch)
 
     def _has_work(self) -> bool:
         return any(lane.queue for lane in self._lanes.values())
 
-    def _order(self) -> list[Lane[P, R]]:
-        """Lanes with queued work, the one served least recently first; ties go to the
-        earliest deadline at the head of a queue."""
-        busy = [lane for lane in self._lanes.values() if lane.queue]
-        return sorted(busy, key=lambda lane: (lane.turn, lane.queue[0].deadline))
-
     def _next_batch(self) -> tuple[Lane[P, R] | None, list[WorkItem[P, R]],
                                    list[tuple[WorkItem[P, R], Exception]]]:
         """The next lane's batch: the first lane in turn whose batch fits in memory now
         (a lane that does not fit must not hold up one that does)."""
         dropped: list[tuple[WorkItem[P, R], Exception]] = []
-        for position, lane in enumerate(self._order()):
+        for position, lane in enumerate(in_turn(self._lanes.values())):
             if position == 0:
                 self._wait_for_window(lane)
                 if not lane.queue or self._calls or self._stopping:
@@ -434,52 +318,12 @@ class MicroBatcher(Generic[P, R]):
 
     def _take_batch(self, lane: Lane[P, R],
                     dropped: list[tuple[WorkItem[P, R], Exception]]) -> list[WorkItem[P, R]]:
-        """Pop up to the lane's batch size of live items; expired or withdrawn ones are set
-        aside in ``dropped``."""
-        batch: list[WorkItem[P, R]] = []
-        now = self._clock()
-        limit = lane.max_batch
-        if lane.batch_limit is not None:
-            limit = min(limit, lane.batch_limit())
-        if limit <= 0:  # nothing fits: only clear out what has expired or been withdrawn
-            self._drop_stale(lane, now, dropped)
-            return batch
-        answer_by = now + lane.seconds_per_item * min(limit, len(lane.queue))  # answers due
-        while lane.queue and len(batch) < limit:
-            item = lane.queue.popleft()
-            if self._set_aside(lane, item, answer_by, dropped):
-                continue
-            if item.future.set_running_or_notify_cancel():
-                batch.append(item)
-            else:  # withdrawn just now
-                self._counted(lane, "cancelled")
-        lane.in_flight = len(batch)
-        lane.full = len(batch) >= limit
-        return batch
+        def expired() -> Exception:
+            return DeadlineExceeded("vramguard could not get to this image in time because it "
+                                    "is busy. Try again shortly.",
+                                    retry_after=self.retry_after(lane.name))
 
-    def _drop_stale(self, lane: Lane[P, R], now: float,
-                    dropped: list[tuple[WorkItem[P, R], Exception]]) -> None:
-        """Remove the withdrawn and the expired from the queue; keep the rest in order."""
-        answer_by = now + lane.seconds_per_item  # a batch of one, at the soonest
-        lane.queue = deque(item for item in lane.queue
-                           if not self._set_aside(lane, item, answer_by, dropped))
-
-    def _set_aside(self, lane: Lane[P, R], item: WorkItem[P, R], answer_by: float,
-                   dropped: list[tuple[WorkItem[P, R], Exception]]) -> bool:
-        """The one rule for a queued item that must not run: withdrawn (just counted), or
-        unable to have its answer by its deadline (counted, and added to ``dropped`` to fail
-        outside the lock). The deadline promises when the answer arrives, so an item whose
-        batch would finish after it is not started."""
-        if item.future.cancelled():
-            self._counted(lane, "cancelled")
-            return True
-        if answer_by > item.deadline:
-            self._counted(lane, "expired")
-            dropped.append((item, DeadlineExceeded(
-                "vramguard could not get to this image in time because it is busy. "
-                "Try again shortly.", retry_after=self.retry_after(lane.name))))
-            return True
-        return False
+        return lane.take_batch(self._clock(), self._counted, expired, dropped)
 
     def _counted(self, lane: Lane[P, R], counter: str) -> None:
         for stats in (self.stats, lane.stats):
@@ -501,7 +345,7 @@ class MicroBatcher(Generic[P, R]):
             for stats in (self.stats, lane.stats):
                 stats.failed_batches += 1
             for item in batch:
-                item.future.set_exception(_without_traceback(exc))
+                item.future.set_exception(without_traceback(exc))
         else:
             for item, result in zip(batch, results, strict=True):
                 if isinstance(result, BaseException):
@@ -510,24 +354,7 @@ class MicroBatcher(Generic[P, R]):
                     item.future.set_result(result)
         finally:
             for stats in (self.stats, lane.stats):
-                stats.batches += 1
-                stats.items += len(batch)
-                stats.largest_batch = max(stats.largest_batch, len(batch))
-                stats.sizes[len(batch)] += 1
+                stats.count_batch(len(batch))
             lane.in_flight = 0
             lane.last_end = self._clock()
             lane.had_backlog = bool(lane.queue)
-
-    @staticmethod
-    def _run_call(fn: Callable[[], Any], future: Future[Any]) -> None:
-        if not future.set_running_or_notify_cancel():
-            return
-        try:
-            future.set_result(fn())
-        except BaseException as exc:
-            future.set_exception(exc)
-
-    @staticmethod
-    def _fail(item: WorkItem[P, R], error: Exception) -> None:
-        if item.future.set_running_or_notify_cancel():
-            item.future.set_exception(error)

@@ -30,10 +30,11 @@ import torch
 
 from app.config import Settings
 from app.engine.batch_run import BatchRun
-from app.engine.batcher import MicroBatcher, Reservation
+from app.engine.batcher import MicroBatcher
 from app.engine.calibration import Calibration
 from app.engine.cpu_threads import CpuThreads
 from app.engine.device import cpu_fallback_reason, resolve_device
+from app.engine.lanes import Reservation
 from app.engine.loading import Loading, LoadSteps
 from app.engine.oom import Outcome
 from app.engine.predictor import Prediction, Sample

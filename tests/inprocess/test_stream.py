@@ -29,7 +29,7 @@ from PIL import Image
 from stream_body import END, HEADERS, broken_images, by_index, lines, part
 
 from app.api.stream import PATH
-from app.engine.batcher import Reservation
+from app.engine.lanes import Reservation
 from app.engine.predictor import Prediction, Sample
 from app.http.scope import STREAM_ROUTES
 

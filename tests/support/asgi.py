@@ -25,8 +25,8 @@ from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.config import Settings, load_settings
-from app.engine.batcher import Reservation
 from app.engine.engine import InferenceEngine, MemoryProfile, Phase, Runtime
+from app.engine.lanes import Reservation
 from app.engine.oom import OomRecovery
 from app.engine.predictor import Prediction, Predictor, Ranked, Sample
 from app.engine.warmup import WarmupProfile
