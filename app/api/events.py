@@ -7,7 +7,7 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from app.errors import Overloaded
-from app.http.live_feed import EventHub, NoRoom, Subscriber
+from app.http.live_feed import LiveFeed, NoRoom, Subscriber
 from app.http.scope import client_key
 from app.http.state import state_of
 
@@ -18,7 +18,7 @@ class EventStream(StreamingResponse):
     """A subscriber's stream that gives its slot back however the answer ends, even if
     the stream never started (the client left first)."""
 
-    def __init__(self, hub: EventHub, subscriber: Subscriber) -> None:
+    def __init__(self, hub: LiveFeed, subscriber: Subscriber) -> None:
         super().__init__(hub.stream(subscriber), media_type="text/event-stream",
                          headers={"Cache-Control": "no-store"})
         self.hub = hub
@@ -34,7 +34,7 @@ class EventStream(StreamingResponse):
 @router.get("/v1/events", summary="Live memory and queue samples (Server-Sent Events)",
             response_class=StreamingResponse)
 async def events(request: Request) -> StreamingResponse:
-    hub = state_of(request).events
+    hub = state_of(request).feed
     try:  # the slot is taken here, before anything awaits
         subscriber = hub.subscribe(client_key(request.scope))
     except NoRoom as full:

@@ -206,7 +206,7 @@ def serve(settings: Settings, launched_by: int | None = None) -> int:
                             timeout_keep_alive=settings.idle_timeout_s, proxy_headers=False,
                             access_log=settings.log_level == "debug",
                             http=guarded_protocol(limits, app.state.vg.stats), log_config=None)
-    server = _Server(config, on_exit=app.state.vg.events.close)
+    server = _Server(config, on_exit=app.state.vg.feed.close)
     try:
         server.run(sockets=[listener])
     finally:

@@ -152,7 +152,7 @@ class Replica:
         port = side_port(settings.replica_port, local_rank)
         self.own = RouteFilter(app_over(self.state, port=port, runs_lifespan=False),
                                self._served_here, self._not_here)
-        self.side = SidePort(self.own, settings.host, port, settings, self.state.events.close)
+        self.side = SidePort(self.own, settings.host, port, settings, self.state.feed.close)
         self.public = RouteFilter(app_over(self.state), is_public, self._not_public)
         self.asgi = _Lifespan(self.public, self.side, close_limiter)
         log.info("replica %s serves its own routes (admin calls, /metrics, /v1/events, /ui, "

@@ -22,11 +22,11 @@ from app.engine.oom import ErrorKind, OomRecovery, classify_error, unless_out_of
 from app.engine.predictor import Predictor, Sample
 from app.engine.profiles import ModelProfile, ProfileKey, ProfileStore, device_identity
 from app.engine.residency import Footprint
-from app.engine.runtime import Clock, LoadedModels, MemoryProfile, Runtime, weights_bytes
+from app.engine.runtime import Clock, LoadedModels, MemoryCost, Runtime, weights_bytes
 from app.engine.warmup import (
     NEAR_TIE,
     OutOfMemoryAtWarmup,
-    WarmupProfile,
+    WarmupTimings,
     choose_batch_size,
     profile,
 )
@@ -39,7 +39,7 @@ from app.models.registry import fingerprint
 
 log = logging.getLogger("vramguard.engine")
 MEMORY_PROFILE_SIZES = 4  # batch sizes 1, 2, 4, 8 (as far as warmup went)
-Measured = tuple[WarmupProfile, list[tuple[int, int]], int]  # timings, memory points, size
+Measured = tuple[WarmupTimings, list[tuple[int, int]], int]  # timings, memory points, size
 
 
 class Calibration:
@@ -129,7 +129,7 @@ class Calibration:
         reading = probe.read()
         if models.others_at_start is None:
             models.others_at_start = reading.others
-        memory = MemoryProfile(size, reading.overhead, models.others_at_start,
+        memory = MemoryCost(size, reading.overhead, models.others_at_start,
                                fit_linear(points), points)
         budget = models.budget_for(reading, models.weights_total() + size)
         models.share(budget)
@@ -150,7 +150,7 @@ class Calibration:
                        memory, warmup, reused is not None, adaptive), reused
 
     @staticmethod
-    def _ceiling(warmup: WarmupProfile, points: list[tuple[int, int]]) -> int:
+    def _ceiling(warmup: WarmupTimings, points: list[tuple[int, int]]) -> int:
         """The largest batch size service may move to: measured in memory, and not past a
         size warmup timed as slower per image than the best (a CPU's cost per image rises
         with the batch, which the a + b x n line cannot represent)."""

@@ -45,8 +45,8 @@ from app.engine.runtime import (
     Clock,
     Health,
     LoadedModels,
-    MemoryProfile,
-    ModelEvents,
+    MemoryCost,
+    ModelOutcomes,
     Phase,
     ProbeFactory,
     Runtime,
@@ -62,7 +62,7 @@ from app.memory.probes import MemoryReading, Probe, make_probe
 from app.models import LoadedModel, in_catalogue, load_model
 from app.schemas import MemoryReport
 
-__all__ = ["InferenceEngine", "MemoryProfile", "ModelEvents", "Phase", "Runtime",
+__all__ = ["InferenceEngine", "MemoryCost", "ModelOutcomes", "Phase", "Runtime",
            "weights_bytes"]
 log = logging.getLogger("vramguard.engine")
 GPU_DEFAULT_WAIT_S = 0.002
@@ -150,8 +150,8 @@ class InferenceEngine:
         return self.models.residents
 
     @property
-    def events(self) -> dict[str, ModelEvents]:
-        return self.models.events
+    def outcomes(self) -> dict[str, ModelOutcomes]:
+        return self.models.outcomes
 
     @property
     def probe(self) -> Probe | None:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from app.engine.warmup import BatchTiming, WarmupProfile
+from app.engine.warmup import BatchTiming, WarmupTimings
 from app.memory.fit import MemoryFit
 
 log = logging.getLogger("vramguard.engine")
@@ -107,9 +107,9 @@ class ModelProfile:
         """The peak of a batch of the chosen size (or ``batch_size``)."""
         return self.fit.peak(batch_size or self.chosen_batch_size)
 
-    def warmup(self, duration_s: float) -> WarmupProfile:
+    def warmup(self, duration_s: float) -> WarmupTimings:
         """The stored timings as a warmup's result (``duration_s``: this load's)."""
-        return WarmupProfile(list(self.timings), self.chosen_batch_size, duration_s,
+        return WarmupTimings(list(self.timings), self.chosen_batch_size, duration_s,
                              self.out_of_memory_at)
 
     def to_json(self) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from app.engine.batcher import MicroBatcher
 from app.engine.oom import OomRecovery, Outcome
 from app.engine.predictor import Predictor, Sample
 from app.engine.residency import Footprint, Residency
-from app.engine.warmup import WarmupProfile
+from app.engine.warmup import WarmupTimings
 from app.errors import NotReady, Paused
 from app.memory.budget import Budget
 from app.memory.fit import MemoryFit
@@ -87,7 +87,7 @@ def paused_error() -> Paused:
 
 
 @dataclass(frozen=True)
-class MemoryProfile:
+class MemoryCost:
     """What warmup measured about memory."""
 
     weights_bytes: int
@@ -106,8 +106,8 @@ class Runtime:
     probe: Probe
     guard: MemoryGuard
     recovery: OomRecovery
-    memory: MemoryProfile
-    warmup: WarmupProfile
+    memory: MemoryCost
+    warmup: WarmupTimings
     reused_profile: bool = False
     batch_size: AdaptiveBatchSize | None = None  # None: the size was set by hand
 
@@ -118,7 +118,7 @@ class Runtime:
 
 
 @dataclass
-class ModelEvents:
+class ModelOutcomes:
     """Counted per model since start, for /metrics."""
 
     loads: int = 0
@@ -152,7 +152,7 @@ class LoadedModels:
         self._make_probe = make_probe
         self.runtimes: dict[str, Runtime] = {}
         self.residents: dict[str, Residency] = {}
-        self.events: dict[str, ModelEvents] = {}
+        self.outcomes: dict[str, ModelOutcomes] = {}
         self.probe: Probe | None = None
         self.budget: Budget | None = None
         self.others_at_start: int | None = None
@@ -164,8 +164,8 @@ class LoadedModels:
         runtimes = dict(self.runtimes)
         return runtimes.get(self.settings.model) or next(iter(runtimes.values()), None)
 
-    def counted(self, name: str) -> ModelEvents:
-        return self.events.setdefault(name, ModelEvents())
+    def counted(self, name: str) -> ModelOutcomes:
+        return self.outcomes.setdefault(name, ModelOutcomes())
 
     def pinned(self, name: str) -> bool:
         resident = self.residents.get(name)

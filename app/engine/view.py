@@ -160,6 +160,6 @@ def build_view(health: Health, paused: bool, models: LoadedModels, loading: froz
         loading=loading,
         counts={name: ModelCounts(e.loads, e.load_seconds, dict(e.unloads),
                                   dict(e.requests), dict(e.sizes))
-                for name, e in dict(models.events).items()},
+                for name, e in dict(models.outcomes).items()},
         queue=queue_figures(batcher), memory=memory,
         warmup_duration_s=None if primary is None else primary.warmup.duration_s)

@@ -39,7 +39,7 @@ class BatchTiming:
 
 
 @dataclass
-class WarmupProfile:
+class WarmupTimings:
     """What warmup measured and what it chose."""
 
     timings: list[BatchTiming] = field(default_factory=list)
@@ -121,7 +121,7 @@ def profile(
     *,
     build: Callable[[int], Inputs],
     free: Callable[[], None] = _nothing,
-) -> WarmupProfile:
+) -> WarmupTimings:
     """Time ``run(build(batch_size))`` and choose a batch size; ``build`` is not timed.
 
     A first pass grows the size until a pass exceeds the latency target or runs out of
@@ -165,4 +165,4 @@ def profile(
         raise OutOfMemoryAtWarmup()
     timings = [BatchTiming(size, statistics.median(times)) for size, times in samples.items()]
     chosen = choose_batch_size(timings, target_latency_s)
-    return WarmupProfile(timings, chosen, clock() - started, out_of_memory_at)
+    return WarmupTimings(timings, chosen, clock() - started, out_of_memory_at)

@@ -42,7 +42,7 @@ class Subscriber:
     dropped: bool = False
 
 
-class EventHub:
+class LiveFeed:
     """Publish from the event loop; each subscriber reads its own bounded queue."""
 
     def __init__(self, max_subscribers: int = MAX_SUBSCRIBERS,

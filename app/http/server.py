@@ -28,7 +28,7 @@ from app.gates.rate_limit import Limiter, Rate, RateLimiter, RateLimitMiddleware
 from app.gates.request_metrics import MetricsMiddleware
 from app.gates.ui_session import UiSessions
 from app.host.token_file import AdminToken, load_or_create_token
-from app.http.live_feed import EventHub
+from app.http.live_feed import LiveFeed
 from app.http.state import AppState
 from app.http.stats import RequestStats
 from app.imaging.cpu_pool import CpuPool
@@ -69,7 +69,7 @@ async def _monitor(state: AppState) -> None:
     while True:
         await asyncio.sleep(MONITOR_INTERVAL_S)
         if not engine.ready:
-            state.events.heartbeat(engine.phase.value)
+            state.feed.heartbeat(engine.phase.value)
             continue
         try:
             await engine.on_device(engine.tick)
@@ -80,9 +80,9 @@ async def _monitor(state: AppState) -> None:
         if sample is None:
             continue
         if sample.state != last_state:
-            state.events.publish("state", {"state": sample.state.value, "t": sample.t})
+            state.feed.publish("state", {"state": sample.state.value, "t": sample.t})
             last_state = sample.state
-        state.events.publish("sample", sample.model_dump(mode="json"))
+        state.feed.publish("sample", sample.model_dump(mode="json"))
 
 
 def live_sample(state: AppState) -> LiveSample | None:
@@ -163,7 +163,7 @@ def make_state(settings: Settings, engine: InferenceEngine | None = None,
         stats=RequestStats(),
         admin_token=AdminToken(settings.token_file, load_or_create_token(settings.token_file)),
         limiter=limiter or make_limiter(settings),
-        events=EventHub(),
+        feed=LiveFeed(),
         ui_sessions=UiSessions(),
         metrics=Metrics(),
         api_key=api_key,

@@ -11,7 +11,7 @@ from app.engine.engine import InferenceEngine
 from app.gates.rate_limit import Limiter
 from app.gates.ui_session import UiSessions
 from app.host.token_file import AdminToken
-from app.http.live_feed import EventHub
+from app.http.live_feed import LiveFeed
 from app.http.stats import RequestStats
 from app.imaging.cpu_pool import CpuPool
 from app.imaging.decode_pool import DecodePool
@@ -29,7 +29,7 @@ class AppState:
     stats: RequestStats
     admin_token: AdminToken
     limiter: Limiter
-    events: EventHub
+    feed: LiveFeed
     ui_sessions: UiSessions
     metrics: Metrics
     api_key: str | None  # read once from api_key_file, for every face of the app

@@ -60,7 +60,7 @@ def stored_profile(engine: InferenceEngine, name: str) -> dict[str, Any] | None:
     stored = engine.profiles.get(key)
     if stored is None:
         return None
-    # The batch size a load that reuses it runs at (InferenceEngine._reuse).
+    # The batch size a load that reuses it runs at (Calibration._reuse, app/engine/calibration.py).
     batch = min(engine.settings.batch_size or stored.chosen_batch_size, stored.points[-1][0])
     peak = stored.footprint_peak(batch)
     return {"weights_bytes": stored.weights_bytes, "batch_size": batch,
@@ -107,7 +107,7 @@ async def timed_load(check: Check, engine: InferenceEngine, name: str) -> dict[s
     record["allocated_beyond_weights_bytes"] = (record["memory_delta"]["allocated"]
                                                 - footprint.weights)
     del runtime  # no reference of ours may keep the model alive past its unload
-    record["engine_load_seconds"] = round(engine.events[name].load_seconds, 3)
+    record["engine_load_seconds"] = round(engine.outcomes[name].load_seconds, 3)
     record["classified"] = await classify_espresso(check, engine, name)
     return record
 

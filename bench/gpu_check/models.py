@@ -206,7 +206,7 @@ async def models_evict(check: Check, engine: InferenceEngine, watch: ModelWatch,
                    "file's size, not from the profile stored for the model: "
                    f"{ignored[0]['request']}: {ignored[0]['guess']} vs "
                    f"{ignored[0]['stored_profile']}")
-    result["unloads_by_model"] = {n: dict(engine.events[n].unloads) for n in LITE
-                                  if n in engine.events}
+    result["unloads_by_model"] = {n: dict(engine.outcomes[n].unloads) for n in LITE
+                                  if n in engine.outcomes}
     result["pinned_load"] = loads[0]
     return result

@@ -24,7 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api.events import EventStream
 from app.config import ConfigError, load_settings
-from app.http.live_feed import MAX_STREAMS_PER_CLIENT, MAX_SUBSCRIBERS, EventHub
+from app.http.live_feed import MAX_STREAMS_PER_CLIENT, MAX_SUBSCRIBERS, LiveFeed
 from app.http.scope import route_exists
 
 pytestmark = pytest.mark.anyio
@@ -176,7 +176,7 @@ async def open_streams(app: FastAPI, client_ids: list[str]) -> list[int]:
         try:
             await until(lambda: len(statuses) == len(client_ids))
         finally:
-            state_of(app).events.close()
+            state_of(app).feed.close()
             done = await asyncio.gather(*opening, return_exceptions=True)
     assert all(isinstance(d, httpx.Response) for d in done), done
     return statuses
@@ -187,7 +187,7 @@ async def test_forty_concurrent_streams_do_not_overshoot_the_limit(app: FastAPI)
     40 clients get 32 streams, and the rest 503."""
     statuses = await open_streams(app, [f"viewer-{i}" for i in range(40)])
     assert statuses.count(200) == MAX_SUBSCRIBERS and statuses.count(503) == 8
-    assert not state_of(app).events.subscribers
+    assert not state_of(app).feed.subscribers
 
 
 async def test_one_client_cannot_take_every_stream(app: FastAPI) -> None:
@@ -200,7 +200,7 @@ async def test_one_client_cannot_take_every_stream(app: FastAPI) -> None:
 
 async def test_a_refused_stream_says_why(tmp_path: Path) -> None:
     with built_app(tmp_path) as app:
-        hub = state_of(app).events
+        hub = state_of(app).feed
         held = [hub.subscribe("127.0.0.1") for _ in range(MAX_STREAMS_PER_CLIENT)]
         async with client(app) as http:
             mine = await http.get("/v1/events")
@@ -218,7 +218,7 @@ async def test_a_refused_stream_says_why(tmp_path: Path) -> None:
 async def test_a_stream_that_never_started_gives_its_slot_back() -> None:
     """The client left before the answer began: the stream's generator never ran, and
     the slot taken in the handler is given back all the same."""
-    hub = EventHub()
+    hub = LiveFeed()
     stream = EventStream(hub, hub.subscribe("a"))
 
     async def gone(message: Message) -> None:

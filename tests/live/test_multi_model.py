@@ -143,9 +143,9 @@ def test_a_budget_for_two_evicts_the_least_recently_used_idle_model_never_the_pi
             assert memory["configured_budget_bytes"] == budget - weights
             # lite0 is now the least recently used, but pinned: lite2 goes instead.
             assert await load(LITE[1]) == ["loaded", "loaded", "available"]
-            assert engine.events[LITE[1]].unloads == {"evicted": 1}
-            assert engine.events[LITE[2]].unloads == {"evicted": 1}
-            assert LITE[0] not in engine.events or not engine.events[LITE[0]].unloads
+            assert engine.outcomes[LITE[1]].unloads == {"evicted": 1}
+            assert engine.outcomes[LITE[2]].unloads == {"evicted": 1}
+            assert LITE[0] not in engine.outcomes or not engine.outcomes[LITE[0]].unloads
             metrics = (await client.get("/metrics")).text
             assert f'vramguard_model_unloads_total{{model="{LITE[1]}",reason="evicted"}} 1.0' \
                 in metrics
@@ -187,7 +187,7 @@ def test_keep_alive_zero_and_expiry_unload_and_loads_are_rate_limited(
             await asyncio.sleep(3.1)
             await engine.on_device(engine.tick)
             assert await state_of(client, LITE[2]) == "available"
-            assert engine.events[LITE[2]].unloads == {"expired": 1}
+            assert engine.outcomes[LITE[2]].unloads == {"expired": 1}
             # Two loads in this minute already: a third is refused, with when to retry.
             response = await client.post("/v1/classify", params={"model": LITE[1]},
                                          content=photo(), headers=JPEG)
@@ -235,7 +235,7 @@ def test_admin_loads_and_unloads_by_catalogue_name_only(
             assert (await listing(client))[LITE[2]]["state"] == "available"
             again = await client.post(f"/v1/models/{LITE[2]}/unload", headers=admin)
             assert again.status_code == 404
-            assert engine.events[LITE[2]].unloads == {"admin": 1}
+            assert engine.outcomes[LITE[2]].unloads == {"admin": 1}
 
     asyncio.run(scenario())
 

@@ -25,11 +25,11 @@ from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.config import Settings, load_settings
-from app.engine.engine import InferenceEngine, MemoryProfile, Phase, Runtime
+from app.engine.engine import InferenceEngine, MemoryCost, Phase, Runtime
 from app.engine.lanes import Reservation
 from app.engine.oom import OomRecovery
 from app.engine.predictor import Prediction, Predictor, Ranked, Sample
-from app.engine.warmup import WarmupProfile
+from app.engine.warmup import WarmupTimings
 from app.http.server import create_app
 from app.http.state import AppState
 from app.memory.budget import Budget
@@ -70,8 +70,8 @@ def stand_in_runtime(model: LoadedModel) -> Runtime:
                         max_batch=1)
     predictor = Predictor(model, keep_all=False)
     return Runtime(model, predictor, probe, guard, OomRecovery(predictor, guard, probe),
-                   MemoryProfile(0, 0, 0, fit, [(1, 0)]),
-                   WarmupProfile(chosen_batch_size=1, duration_s=WARMUP_S))
+                   MemoryCost(0, 0, 0, fit, [(1, 0)]),
+                   WarmupTimings(chosen_batch_size=1, duration_s=WARMUP_S))
 
 
 class ReadyEngine(InferenceEngine):

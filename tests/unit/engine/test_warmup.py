@@ -74,9 +74,9 @@ def test_round_robin_repeats_cancel_a_slow_patch():
 
 
 def test_throughput_at_a_batch_size_set_by_the_user():
-    from app.engine.warmup import WarmupProfile
+    from app.engine.warmup import WarmupTimings
 
-    warm = WarmupProfile([BatchTiming(1, 0.02), BatchTiming(2, 0.032), BatchTiming(4, 0.08)], 2)
+    warm = WarmupTimings([BatchTiming(1, 0.02), BatchTiming(2, 0.032), BatchTiming(4, 0.08)], 2)
     assert warm.images_per_second == 2 / 0.032
     assert warm.throughput_at(4) == 4 / 0.08  # a pinned size uses its own timing
     assert warm.throughput_at(8) == 4 / 0.08  # beyond what was timed: the largest timed

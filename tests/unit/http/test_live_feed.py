@@ -8,12 +8,12 @@ import asyncio
 
 import pytest
 
-from app.http.live_feed import BUFFER, EventHub, NoRoom
+from app.http.live_feed import BUFFER, LiveFeed, NoRoom
 
 
 def test_slow_subscriber_is_dropped_and_memory_stays_bounded():
     async def scenario() -> None:
-        hub = EventHub()
+        hub = LiveFeed()
         stream = hub.stream(hub.subscribe())
         assert (await anext(stream)).startswith("retry:")
         for i in range(BUFFER * 5):  # the subscriber reads nothing meanwhile
@@ -27,7 +27,7 @@ def test_slow_subscriber_is_dropped_and_memory_stays_bounded():
 
 def test_subscriber_that_keeps_up_gets_every_event():
     async def scenario() -> None:
-        hub = EventHub()
+        hub = LiveFeed()
         stream = hub.stream(hub.subscribe())
         await anext(stream)
         for i in range(BUFFER * 3):
@@ -40,7 +40,7 @@ def test_subscriber_that_keeps_up_gets_every_event():
 
 
 def test_subscriber_limits_overall_and_per_client():
-    hub = EventHub(max_subscribers=3, max_per_client=2)
+    hub = LiveFeed(max_subscribers=3, max_per_client=2)
 
     async def scenario() -> None:
         stream = hub.stream(hub.subscribe("a"))
@@ -64,7 +64,7 @@ def test_subscriber_limits_overall_and_per_client():
 
 def test_closing_the_hub_ends_every_stream_and_refuses_new_ones():
     async def scenario() -> tuple[list[str], list[str]]:
-        hub = EventHub()
+        hub = LiveFeed()
         first = hub.stream(hub.subscribe())
         assert await first.__anext__() == "retry: 2000\n\n"
         hub.publish("sample", {"t": 1})
@@ -78,7 +78,7 @@ def test_closing_the_hub_ends_every_stream_and_refuses_new_ones():
 
 def test_a_new_subscriber_gets_the_latest_of_each_event_at_once():
     async def scenario() -> list[str]:
-        hub = EventHub()
+        hub = LiveFeed()
         hub.publish("state", {"state": "ok"})
         for i in range(3):
             hub.publish("sample", {"i": i})
@@ -92,7 +92,7 @@ def test_a_new_subscriber_gets_the_latest_of_each_event_at_once():
 
 def test_heartbeats_are_comments_that_readers_skip():
     async def scenario() -> str:
-        hub = EventHub()
+        hub = LiveFeed()
         stream = hub.stream(hub.subscribe())
         await anext(stream)
         hub.heartbeat("loading")

@@ -15,7 +15,7 @@ import torch
 from cuda_standin import GiB, MiB, StandInForward, install_gpu
 
 from app.config import Settings
-from app.engine.engine import InferenceEngine, MemoryProfile, Phase, Runtime
+from app.engine.engine import InferenceEngine, MemoryCost, Phase, Runtime
 from app.engine.oom import OomRecovery
 from app.engine.predictor import Prediction, Sample
 from app.memory.budget import Budget
@@ -46,7 +46,7 @@ def serving(monkeypatch):
     fit = MemoryFit(0, PER_IMAGE)
     guard = MemoryGuard(Budget(4 * GiB, 1.0, WEIGHTS, 0, cap=GiB + WEIGHTS), fit, max_batch=8)
     forward = StandInForward(cuda, PER_IMAGE)
-    memory = MemoryProfile(WEIGHTS, 0, 0, fit, [(1, PER_IMAGE)])
+    memory = MemoryCost(WEIGHTS, 0, 0, fit, [(1, PER_IMAGE)])
     engine.install(Runtime(None, None, probe, guard, OomRecovery(forward, guard, probe),
                            memory, None), name="stand-in")  # type: ignore[arg-type]
     engine.phase = Phase.READY

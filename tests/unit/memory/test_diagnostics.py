@@ -21,7 +21,7 @@ from samples import sample as live_sample
 from tiny_model import tiny_model
 
 from app.config import load_settings
-from app.engine.engine import InferenceEngine, MemoryProfile, Phase, Runtime
+from app.engine.engine import InferenceEngine, MemoryCost, Phase, Runtime
 from app.engine.oom import OomRecovery
 from app.engine.predictor import Prediction, Sample
 from app.memory.budget import Budget
@@ -207,7 +207,7 @@ def gpu(monkeypatch, tmp_path):
                             max_batch=8)
         recovery = OomRecovery(StandInForward(cuda, 100 * MiB), guard, probe)
         engine.install(Runtime(None, None, probe, guard, recovery,  # type: ignore[arg-type]
-                               MemoryProfile(WEIGHTS, 0, 0, fit, [(1, 100 * MiB)]), None),
+                               MemoryCost(WEIGHTS, 0, 0, fit, [(1, 100 * MiB)]), None),
                        name="stand-in")
         engine.phase = Phase.READY
         engine.batcher.start()

@@ -16,7 +16,7 @@ from live_server import free_port
 from samples import sample
 from tray_follow import assert_no_stream_left, follow_until, polls, stream_threads, tray_for
 
-from app.http.live_feed import EventHub
+from app.http.live_feed import LiveFeed
 from tray.event_stream import Backoff, Event, EventStream, SseParser, deliver
 from tray.icon import COLOURS
 
@@ -62,7 +62,7 @@ def test_backoff_grows_resets_once_accepted_and_honours_the_server():
 def wire(*events: tuple[str, dict[str, object]]) -> str:
     """What the server's hub writes for these events, retry line included."""
     async def scenario() -> str:
-        hub = EventHub()
+        hub = LiveFeed()
         stream = hub.stream(hub.subscribe())
         text = await anext(stream)
         for kind, data in events:
