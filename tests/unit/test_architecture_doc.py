@@ -3,6 +3,7 @@ package under app/ is on it (a new package without a line there fails here)."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -51,3 +52,34 @@ def test_the_checks_can_fail():
     assert not exists("app/no_such_module.py")
     assert named_paths("see `app/engine/batcher.py` and `app/gates/`, not app/x") == [
         "app/engine/batcher.py", "app/gates"]
+
+
+def gate_modules() -> list[str]:
+    """The modules of the ASGI layers ``gates()`` builds, in its order (read from the
+    source: the classes it wraps in ``Middleware`` and where ``server.py`` imports them)."""
+    server = ROOT / "app" / "http" / "server.py"
+    tree = ast.parse(server.read_text(encoding="utf-8"))
+    home = {alias.asname or alias.name: node.module for node in tree.body
+            if isinstance(node, ast.ImportFrom) and node.module for alias in node.names}
+    gates = next(node for node in tree.body
+                 if isinstance(node, ast.FunctionDef) and node.name == "gates")
+    calls = sorted((node for node in ast.walk(gates) if isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Name) and node.func.id == "Middleware"),
+                   key=lambda node: (node.lineno, node.col_offset))
+    names = [call.args[0].id for call in calls if isinstance(call.args[0], ast.Name)]
+    return [home[name] for name in names]
+
+
+def test_the_maps_gate_rows_follow_gates():
+    text = DOC.read_text(encoding="utf-8")
+    modules = gate_modules()
+    assert len(modules) >= 5
+    places = []
+    for module in modules:
+        if module.startswith("starlette"):
+            needle = "Starlette's `CORSMiddleware`"
+        else:
+            needle = f"`{module.replace('.', '/')}.py`"
+        assert needle in text, needle
+        places.append(text.index(needle))
+    assert places == sorted(places)
