@@ -129,7 +129,10 @@ class RedisLimiter:
         script = self._bucket_script()
         try:
             reply = await script(keys=keys, args=args)
-        except (RedisError, OSError) as error:
+        except (RedisError, OSError, RuntimeError) as error:
+            # RuntimeError: uvloop (the loop Ray Serve's replicas run) raises it for a write
+            # on a pooled connection whose transport has closed, where asyncio's loop
+            # raises a ConnectionError; both mean "Redis cannot be reached now".
             self._fall_back(error)
             if script is self._script:  # its pooled connections may lead to a dead server
                 await self.aclose()
@@ -171,7 +174,7 @@ class RedisLimiter:
         self._fallback = True
         self.fallbacks += 1
         where, why = without_secrets(self.url), str(error).rstrip(".") or type(error).__name__
-        if isinstance(error, RedisConnectionError | RedisTimeoutError | OSError):
+        if isinstance(error, RedisConnectionError | RedisTimeoutError | OSError | RuntimeError):
             log.warning("Cannot reach Redis at %s (%s). The rate limits shared by all "
                         "replicas are not in force: this replica enforces its own share of "
                         "them (each limit divided by %d) and tries Redis again every %g "

@@ -21,7 +21,6 @@ import pytest
 from images import photo
 from live_server import free_port
 
-pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 redis = pytest.importorskip("redis", reason="the cluster extra is not installed")
 with warnings.catch_warnings():  # ray's pydantic fields use a deprecated style
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -37,6 +36,7 @@ DEPLOY_TIMEOUT_S = 300  # two warmups at once on 2 busy cores, with Ray starting
 RECOVERY_TIMEOUT_S = 180
 JPEG = {"Content-Type": "image/jpeg"}
 AFTER_KILL = 6  # with the burst and its retries, within the BURST tokens
+BUSY = {"overloaded", "deadline_exceeded"}  # a replica too busy: 503, try again later
 
 
 @dataclass
@@ -186,13 +186,31 @@ def test_the_espresso_classifies_through_the_proxy_and_both_replicas_serve(clust
     assert stats.status_code == 200 and stats.json()["phase"] == "ready"
 
 
+def busy(response: httpx.Response) -> bool:
+    """A replica's documented answer to an overload: 503, a busy code, a Retry-After."""
+    return (response.status_code == 503 and response.json()["error"]["code"] in BUSY
+            and int(response.headers["Retry-After"]) >= 1)
+
+
+def assert_the_shared_limit(responses: list[httpx.Response]) -> None:
+    """At most BURST requests passed the shared limit, whichever replica they reached,
+    and the rest got 429 ``rate_limited``. A request that passed it may still be refused
+    by a replica too busy to answer it in time (a slow or loaded machine): it took its
+    token all the same, so it counts against the BURST."""
+    others = [r.text for r in responses if r.status_code not in (200, 429) and not busy(r)]
+    assert not others, others
+    passed = [r for r in responses if r.status_code != 429]
+    assert len(passed) <= BURST, (
+        f"{len(passed)} of {len(responses)} passed the limit with only {BURST} shared "
+        "tokens: a replica kept a limit of its own (its log says 'Cannot reach Redis'?)")
+    assert any(r.status_code == 200 for r in passed)
+
+
 def test_the_limit_is_shared_by_both_replicas(cluster):
     cluster.flush()
     before = [answered(cluster, rank) for rank in (0, 1)]
     responses = asyncio.run(burst(cluster.url, BURST + 15))
-    codes = [r.status_code for r in responses]
-    assert set(codes) <= {200, 429}, [r.text for r in responses if r.status_code not in (200, 429)]
-    assert codes.count(200) <= BURST
+    assert_the_shared_limit(responses)
     refused = [r for r in responses if r.status_code == 429]
     assert len(refused) >= 15 and all(int(r.headers["Retry-After"]) >= 1 for r in refused)
     assert all(r.json()["error"]["code"] == "rate_limited" for r in refused)
@@ -255,10 +273,11 @@ def test_requests_keep_succeeding_while_a_killed_replica_comes_back(cluster):
     victim = sorted(actors)[0]
     answers, seen = asyncio.run(kill_during_burst(cluster.url, victim, 8))
     assert [r.status_code for r in answers] == [200] * len(answers), answers[-1].text
-    # A request inside the killed replica: 503 with Retry-After (app/cluster/proxy.py).
+    # A request inside the killed replica: 503 with Retry-After 1 (app/cluster/proxy.py);
+    # the one left may also be too busy for a while (a slow machine): a busy 503.
     lost = [r for r in seen if r.status_code != 200]
-    assert all(r.status_code == 503 and r.json()["error"]["code"] == "replica_lost"
-               and r.headers["Retry-After"] == "1" for r in lost), [r.text for r in lost]
+    assert all(busy(r) or (r.status_code == 503 and r.json()["error"]["code"] == "replica_lost"
+               and r.headers["Retry-After"] == "1") for r in lost), [r.text for r in lost]
     wait_for("a new replica in place of the killed one",
              lambda: victim not in replica_actors() and len(replica_actors()) == 2
              and replica_states().get("RUNNING") == 2, RECOVERY_TIMEOUT_S, deployment_status)
@@ -280,8 +299,4 @@ def test_without_redis_requests_go_on_under_each_replicas_share_then_share_again
              lambda: all(cluster.metric(rank, "vramguard_rate_limit_fallback{") == 0.0
                          for rank in (0, 1)), 30)
     cluster.flush()
-    codes = [r.status_code for r in asyncio.run(burst(cluster.url, BURST + 15))]
-    assert set(codes) <= {200, 429}, codes
-    assert codes.count(200) <= BURST, (
-        f"{codes.count(200)} of {len(codes)} answered with only {BURST} shared tokens: a "
-        "replica went back to its local share (its log says 'Cannot reach Redis' again)")
+    assert_the_shared_limit(asyncio.run(burst(cluster.url, BURST + 15)))

@@ -379,6 +379,30 @@ def test_a_script_error_is_logged_as_an_error_and_falls_back(
     shared.run(scenario)
 
 
+def test_a_closed_connection_under_uvloop_falls_back_instead_of_failing(
+        shared: Limiters, caplog: pytest.LogCaptureFixture) -> None:
+    """Ray Serve's replicas run on uvloop, which raises RuntimeError ("the handler is
+    closed") for a write on a pooled connection whose transport has closed: that is an
+    unreachable Redis (the local share, one warning), not a 500 for the request."""
+    uvloop = pytest.importorskip("uvloop")
+    caplog.set_level(logging.INFO, LOGGER)
+
+    async def scenario() -> None:
+        limiter = shared.make(5, SLOW)
+        assert isinstance(limiter, RedisLimiter)
+        assert (await limiter.acquire("classify", "a")).allowed  # a pooled connection
+        assert limiter._client is not None
+        for connection in list(limiter._client.connection_pool._available_connections):
+            connection._writer.transport.close()  # type: ignore[union-attr]
+        assert (await limiter.acquire("classify", "a")).allowed
+        assert limiter.fallback
+        [warning] = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert "the handler is closed" in warning.getMessage()
+        await limiter.aclose()
+
+    uvloop.run(scenario())
+
+
 def test_from_settings_uses_the_appliances_rates() -> None:
     from app.http.server import make_limiter
 

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import pytest
 from images import bad_images, decompression_bomb, memory_bombs, odd_valid_images, photo, scan_bomb
 
-pytestmark = pytest.mark.slow
 JPEG = {"Content-Type": "image/jpeg"}
+BUSY = {"overloaded", "deadline_exceeded"}  # the 503s that mean "too busy now, try again"
+WARMUP_SIZES = [1, 2, 4, 8, 16, 32]  # warmup's growth up to the default max_batch_size
 CAT_CLASSES = {"tabby", "tiger cat", "Persian cat", "Siamese cat", "Egyptian cat", "lynx"}
 
 
@@ -47,23 +49,58 @@ def test_multipart_upload(server):
     assert response.json()["predictions"][0]["label"] == "espresso"
 
 
-async def _burst(url: str, bodies: list[bytes]) -> list[httpx.Response]:
+def assert_busy(response: httpx.Response) -> None:
+    """A refusal for being busy, as documented: 503, a busy code, a message, a Retry-After."""
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["code"] in BUSY and response.json()["error"]["message"]
+    assert int(response.headers["Retry-After"]) >= 1
+
+
+async def _until_answered(client: httpx.AsyncClient, body: bytes, deadline: float,
+                          refused: list[httpx.Response]) -> httpx.Response:
+    """Send ``body``; while it is refused as busy, send it again after its Retry-After, as
+    vramguard asks clients to do. ``refused``: every busy answer on the way."""
+    while True:
+        response = await client.post("/v1/classify", content=body, headers=JPEG,
+                                     params={"top_k": 5})
+        if response.status_code != 503 or time.monotonic() > deadline:
+            return response
+        assert_busy(response)
+        refused.append(response)
+        await asyncio.sleep(int(response.headers["Retry-After"]))
+
+
+async def _burst(url: str, bodies: list[bytes], refused: list[httpx.Response] | None = None,
+                 patience_s: float = 180) -> list[httpx.Response]:
+    """All ``bodies`` at once, one connection each, each resent while refused as busy.
+
+    A slow or loaded machine may refuse part of a burst at once (503 ``overloaded``: its
+    answer would not come within ``request_timeout_s``) or find a queued one's deadline
+    passed (503 ``deadline_exceeded``): both are the promised answers to an overload, and
+    a client that waits out the Retry-After is then served."""
+    seen: list[httpx.Response] = [] if refused is None else refused
+    deadline = time.monotonic() + patience_s
     async with httpx.AsyncClient(base_url=url, timeout=120,
                                  limits=httpx.Limits(max_connections=len(bodies))) as client:
-        return await asyncio.gather(*(client.post("/v1/classify", content=b, headers=JPEG,
-                                                  params={"top_k": 5}) for b in bodies))
+        return await asyncio.gather(*(_until_answered(client, b, deadline, seen)
+                                      for b in bodies))
 
 
 def test_64_concurrent_requests_all_succeed_in_batches(server):
+    """64 at once are all answered, in batches. What may differ with the machine's speed:
+    how many are first refused as busy (503 with Retry-After, never computed) before their
+    resend is served; every image is still computed exactly once."""
     with server.client() as client:
         assert client.get("/v1/models").json()["models"][0]["max_batch_size"] == 4
         before = client.get("/v1/stats").json()
-    responses = asyncio.run(_burst(server.url, [photo()] * 64))
-    assert [r.status_code for r in responses] == [200] * 64
+    refused: list[httpx.Response] = []
+    responses = asyncio.run(_burst(server.url, [photo()] * 64, refused))
+    assert [r.status_code for r in responses] == [200] * 64, \
+        [r.text for r in responses if r.status_code != 200]
     assert all(r.json()["predictions"][0]["label"] == "espresso" for r in responses)
     with server.client() as client:
         after = client.get("/v1/stats").json()
-    assert after["batched_images"] - before["batched_images"] == 64
+    assert after["batched_images"] - before["batched_images"] == 64, len(refused)
     assert max(r.json()["batch_size"] for r in responses) > 1
     assert after["largest_batch"] > 1
     assert after["batches"] - before["batches"] < 64
@@ -75,6 +112,7 @@ def test_batched_scores_equal_unbatched(server):
         alone = [classify(client, b, top_k=5).json() for b in bodies]
     assert all(r["batch_size"] == 1 for r in alone)  # an idle device dispatches at once
     together = [r.json() for r in asyncio.run(_burst(server.url, bodies * 4))]
+    assert all("predictions" in r for r in together), together
     assert max(r["batch_size"] for r in together) > 1
     for index, result in enumerate(together):
         reference = alone[index % len(bodies)]["predictions"]
@@ -178,7 +216,16 @@ def test_models_health_readiness_and_offline_docs(server):
         model = client.get("/v1/models").json()["models"][0]
         assert model["name"] == "efficientnet_lite0" and model["device"] == "cpu"
         assert model["weights_bytes"] > 10_000_000
-        assert [t["batch_size"] for t in model["warmup"]][:2] == [1, 2]
+        # Warmup starts at one image and doubles until a pass is slower than the latency
+        # target: how far it gets depends on the machine's speed (a loaded 2-core one may
+        # stop after 1), the sizes it goes through do not.
+        sizes = [t["batch_size"] for t in model["warmup"]]
+        assert sizes == WARMUP_SIZES[:len(sizes)] and sizes, sizes
+        for timing in model["warmup"]:
+            assert timing["latency_ms"] > 0
+            assert timing["images_per_second"] == pytest.approx(
+                timing["batch_size"] * 1000 / timing["latency_ms"], rel=0.01)
+        assert model["batch_size"] == 4  # --batch-size overrides warmup's choice
         assert client.get("/healthz").json() == {"status": "ok"}
         assert client.get("/readyz").json() == {"status": "ready"}
         docs = client.get("/docs").text

@@ -13,9 +13,10 @@ import pytest
 from images import photo
 from live_server import live_server
 
-pytestmark = pytest.mark.slow
 JPEG = {"Content-Type": "image/jpeg"}
 MiB = 1024**2
+BUSY = {"overloaded", "deadline_exceeded"}  # the 503s that mean "too busy now, try again"
+MEMORY_PROFILE_SIZES = 4  # app/engine/engine.py: memory is measured at warmup's first 4 sizes
 
 
 @pytest.fixture(scope="module")
@@ -25,11 +26,28 @@ def profile(server) -> dict:
         return client.get("/v1/memory").json()
 
 
-async def _burst(url: str, count: int) -> list[httpx.Response]:
+async def _until_answered(client: httpx.AsyncClient, deadline: float,
+                          refused: list[httpx.Response]) -> httpx.Response:
+    """One image, sent again after Retry-After while it is refused as busy (503
+    ``overloaded`` or ``deadline_exceeded``), as vramguard asks clients to do. Any other
+    answer, ``insufficient_memory`` included, is returned at once."""
+    while True:
+        response = await client.post("/v1/classify", content=photo(), headers=JPEG)
+        busy = response.status_code == 503 and response.json()["error"]["code"] in BUSY
+        if not busy or time.monotonic() > deadline:
+            return response
+        assert int(response.headers["Retry-After"]) >= 1
+        refused.append(response)
+        await asyncio.sleep(int(response.headers["Retry-After"]))
+
+
+async def _burst(url: str, count: int, refused: list[httpx.Response],
+                 patience_s: float = 180) -> list[httpx.Response]:
+    deadline = time.monotonic() + patience_s
     async with httpx.AsyncClient(base_url=url, timeout=120,
                                  limits=httpx.Limits(max_connections=count)) as client:
-        return await asyncio.gather(*(client.post("/v1/classify", content=photo(),
-                                                  headers=JPEG) for _ in range(count)))
+        return await asyncio.gather(*(_until_answered(client, deadline, refused)
+                                      for _ in range(count)))
 
 
 def wait_for(client: httpx.Client, predicate, timeout: float = 10.0) -> dict:
@@ -42,24 +60,41 @@ def wait_for(client: httpx.Client, predicate, timeout: float = 10.0) -> dict:
 
 
 def test_memory_report_on_the_cpu(server, profile):
+    """Memory is measured at warmup's first sizes, its largest and the batch size in force
+    (--batch-size 4 here). Which sizes warmup reaches depends on the machine's speed (a
+    loaded one may stop after 1: the points are then 1 and 4); the rule does not."""
     assert profile["device"] == "cpu" and profile["nvml"] is False
     assert profile["weights_bytes"] > 10 * MiB
     assert profile["bytes_per_sample"] > MiB
     assert profile["budget_bytes"] > 0 and profile["state"] in {"ok", "high", "shedding"}
     assert profile["low_watermark_bytes"] < profile["high_watermark_bytes"] \
         <= profile["budget_bytes"]
-    assert [p["batch_size"] for p in profile["profile_points"]][:2] == [1, 2]
+    with server.client() as client:
+        tried = [t["batch_size"] for t in client.get("/v1/models").json()["models"][0]["warmup"]]
+    points = [(p["batch_size"], p["peak_bytes"]) for p in profile["profile_points"]]
+    assert [size for size, _ in points] == sorted({*tried[:MEMORY_PROFILE_SIZES], tried[-1], 4})
+    assert points[0][0] == 1 and len(points) >= 2  # two sizes at least: the slope is measured
+    peaks = [peak for _, peak in points]
+    assert peaks == sorted(peaks) and peaks[0] < peaks[-1], points  # more images, more memory
     assert profile["max_batch_now"] >= 1
 
 
 def test_burst_over_a_cap_that_fits_2_but_not_8_is_answered_by_splitting(tmp_path, profile):
+    """16 at once, batches of 8 asked for, memory for 2: every batch that runs out of
+    memory is split, and every image is answered. The request deadline is the test's
+    (60 s, far beyond 16 images even on a loaded 2-core machine), so that an admission
+    refusal does not stand in for the splitting; should the machine still be too slow, a
+    busy 503 with Retry-After is the promised answer and the image is sent again. A 503
+    for memory (``insufficient_memory``) is never accepted: it would be a failed split."""
     cap = profile["weights_bytes"] + int(2.5 * profile["bytes_per_sample"])
-    with live_server(tmp_path, "--no-cache", "--batch-size", "8",
+    with live_server(tmp_path, "--no-cache", "--batch-size", "8", "--request-timeout-s", "60",
                      "--cpu-memory-cap", str(cap)) as capped:
         with capped.client() as client:
             baseline = client.get("/v1/memory").json()["allocated_bytes"]
-        responses = asyncio.run(_burst(capped.url, 16))
-        assert [r.status_code for r in responses] == [200] * 16
+        refused: list[httpx.Response] = []
+        responses = asyncio.run(_burst(capped.url, 16, refused))
+        assert [r.status_code for r in responses] == [200] * 16, \
+            [r.text for r in responses if r.status_code != 200]
         assert all(r.json()["predictions"][0]["label"] == "espresso" for r in responses)
         assert max(r.json()["batch_size"] for r in responses) <= 2
         with capped.client() as client:
