@@ -146,12 +146,8 @@ def windowed_main(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "classify":  # a client of the appliance: no settings of its own
-        try:
-            from app.cli.classify import run_classify
-        except ImportError as exc:  # vramguard_client is a package of its own
-            print(f"vramguard classify: {exc}; install clients/python (pip install "
-                  "./clients/python).", file=sys.stderr)
-            return 1
+        from app.cli.classify import run_classify  # vramguard_client ships with vramguard
+
         return run_classify(args)
     try:
         settings = _settings(args)
