@@ -76,9 +76,11 @@ class RedisLimiter:
     from another loop gets a client of its own."""
 
     def __init__(self, url: str, per_client: dict[str, Rate], global_rates: dict[str, Rate],
-                 *, prefix: str = "vramguard", replicas: int = 1) -> None:
+                 *, prefix: str = "vramguard", replicas: int = 1,
+                 timeout_s: float = TIMEOUT_S) -> None:
         self.url = url
         self.prefix = prefix
+        self.timeout_s = timeout_s  # connect and reply; past it, the local share
         self.per_client = per_client
         self.global_rates = global_rates
         self.replicas = replicas
@@ -159,8 +161,8 @@ class RedisLimiter:
         """The script, bound to a client of the running loop (made on first use)."""
         loop = asyncio.get_running_loop()
         if self._script is None or self._loop is not loop:
-            self._client = Redis.from_url(self.url, socket_timeout=TIMEOUT_S,
-                                          socket_connect_timeout=TIMEOUT_S,
+            self._client = Redis.from_url(self.url, socket_timeout=self.timeout_s,
+                                          socket_connect_timeout=self.timeout_s,
                                           retry=Retry(NoBackoff(), 0))
             self._script = self._client.register_script(SCRIPT)
             self._loop = loop
