@@ -17,6 +17,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, ClassVar, cast
 
+import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from app.errors import Overloaded
@@ -229,15 +230,29 @@ class GuardedH11Protocol(H11Protocol):
         """Run the head deadline while the connection waits for a request head and
         uvicorn's keep-alive timer is not counting: from the connection's start, or from
         the first byte after a response. It is a total: bytes that trickle in do not
-        restart it. A request handed to the app stops it."""
+        restart it. A request handed to the app stops it.
+
+        The rest of a body the app answered without reading (a 404 before the upload) is
+        the old request's, not a new head; uvicorn stops its idle timer at those bytes.
+        Once the body has all arrived and nothing of a next head has, the connection is
+        idle again and gets the idle timer back: cut at the shorter head deadline, a
+        client reusing it a moment later would find it closed without an answer."""
         waiting = ((self.cycle is None or self.cycle.response_complete)
                    and self.timeout_keep_alive_task is None
                    and not self.transport.is_closing())
         if not waiting:
             self._stop_head_timer()
+        elif self.cycle is not None and self._idle():
+            self._stop_head_timer()
+            self.timeout_keep_alive_task = self.loop.call_later(
+                self.timeout_keep_alive, self.timeout_keep_alive_handler)
         elif self._head_timer is None:
             self._head_timer = self.loop.call_later(self.limits.header_timeout_s,
                                                     self._head_timed_out)
+
+    def _idle(self) -> bool:
+        """Between requests with nothing of the next one received."""
+        return self.conn.their_state is h11.IDLE and not self.conn.trailing_data[0]
 
     def _stop_head_timer(self) -> None:
         if self._head_timer is not None:

@@ -2,7 +2,7 @@
 
 Clients written elsewhere (other languages, code generators) read the contract without
 running vramguard; ``tests/inprocess/test_openapi_file.py`` fails when the file is out of date.
-Regenerate it with ``python -m app.api.openapi_file``.
+Regenerate it with ``python -m app.http.openapi_file``.
 """
 
 from __future__ import annotations
