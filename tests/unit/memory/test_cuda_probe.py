@@ -209,24 +209,26 @@ def test_a_host_pid_is_not_taken_for_this_process(monkeypatch, caplog):
     assert "does not list this process" in caplog.text
 
 
-def test_doctor_reports_driver_model_and_mig_mode(monkeypatch, capsys):
-    from app.cli import doctor
+def test_doctor_reports_driver_model_and_mig_mode(monkeypatch):
+    from app.engine.system_checks import Checks, nvidia_driver
+
+    def lines(cuda_available: bool) -> str:
+        checks = Checks()
+        nvidia_driver(cuda_available, checks)
+        return checks.text()
 
     _cuda, nvml = install_gpu(monkeypatch)
     nvml.driver_model = nvml.module.NVML_DRIVER_WDM
     nvml.mig = True
-    doctor._nvidia_driver(cuda_available=True)
-    out = capsys.readouterr().out
+    out = lines(cuda_available=True)
     assert "driver model" in out and "TCC" in out
     assert "MIG mode" in out and "on" in out.split("MIG mode")[1].splitlines()[0]
     nvml.driver_model, nvml.mig = None, False  # Linux: NOT_SUPPORTED
-    doctor._nvidia_driver(cuda_available=True)
-    out = capsys.readouterr().out
+    out = lines(cuda_available=True)
     assert "n/a" in out.split("driver model")[1].splitlines()[0]
     assert "off" in out.split("MIG mode")[1].splitlines()[0]
     nvml.fail("nvmlInit")
-    doctor._nvidia_driver(cuda_available=False)
-    out = capsys.readouterr().out
+    out = lines(cuda_available=False)
     assert "n/a" in out.split("driver model")[1].splitlines()[0]
 
 
