@@ -3,19 +3,30 @@
 Precedence, highest first: command-line options > environment variables
 (``VRAMGUARD_<NAME>``) > the TOML file (``config.toml`` in the per-user config
 folder, or the one named by ``--config`` / ``VRAMGUARD_CONFIG``) > defaults.
+An unknown key in the file is refused; an unknown ``VRAMGUARD_*`` variable only
+warned about (it may be meant for another program), with the closest real name.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
+from collections.abc import Mapping
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import platformdirs
-from pydantic import ByteSize, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    ByteSize,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import ErrorDetails
 from pydantic_settings import (
     BaseSettings,
@@ -27,6 +38,8 @@ from pydantic_settings import (
 APP_NAME = "vramguard"
 ENV_PREFIX = "VRAMGUARD_"
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")  # names that reach only this computer
+READ_VARIABLES = frozenset({f"{ENV_PREFIX}CONFIG"})
+"""``VRAMGUARD_*`` variables read that are not settings."""
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
 _toml_path: ContextVar[Path | None] = ContextVar("vramguard_toml_path", default=None)
 
@@ -38,6 +51,11 @@ class ConfigError(Exception):
 def default_config_file() -> Path:
     """The per-user TOML file read when no other is named."""
     return Path(platformdirs.user_config_dir(APP_NAME, appauthor=False)) / "config.toml"
+
+
+def config_file_of(settings: Settings) -> Path | None:
+    """The TOML file ``settings`` were read from; None when there was none."""
+    return settings._config_file
 
 
 def config_file_in_use(given: Path | None = None) -> Path:
@@ -62,6 +80,10 @@ def default_token_file() -> Path:
 
 class Settings(BaseSettings):
     """All settings. Field descriptions are the user-facing docs (`vramguard serve --help`)."""
+
+    # The TOML file these came from (None: defaults, variables and options only), for
+    # the support report; set by `load_settings`.
+    _config_file: Path | None = PrivateAttr(None)
 
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX,
@@ -305,7 +327,9 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
     token = _toml_path.set(in_use)
     given = {key: value for key, value in overrides.items() if value is not None}
     try:
-        return Settings(**given)
+        settings = Settings(**given)
+        settings._config_file = in_use
+        return settings
     except ValidationError as exc:
         raise ConfigError("; ".join(_describe(e, in_use) for e in exc.errors())) from None
     except ValueError as exc:  # malformed TOML
@@ -316,3 +340,20 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
                           "readable, or move it away to start with the defaults.") from None
     finally:
         _toml_path.reset(token)
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """A warning for each ``VRAMGUARD_*`` variable that is no setting (the settings
+    ignore it: a misspelt one would be lost in silence), naming the closest real one."""
+    known = sorted({name.upper() for name in Settings.model_fields}
+                   | {name.removeprefix(ENV_PREFIX) for name in READ_VARIABLES})
+    warnings = []
+    for variable in sorted(environ):
+        spelt = variable.upper()  # the settings read their variables in any case
+        if not spelt.startswith(ENV_PREFIX) or spelt.removeprefix(ENV_PREFIX) in known:
+            continue
+        closest = difflib.get_close_matches(spelt.removeprefix(ENV_PREFIX), known, n=1)
+        hint = f" Did you mean {ENV_PREFIX}{closest[0]}?" if closest else ""
+        warnings.append(f"The environment variable {variable} is not a vramguard setting, "
+                        f"so it changes nothing.{hint}")
+    return warnings

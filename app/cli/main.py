@@ -9,20 +9,20 @@ from pathlib import Path
 from typing import Any
 
 from app import __version__
+from app.cli.serve_options import add_setting_options
 from app.config import ConfigError, Settings, config_file_in_use, load_settings
 
+COMMON = ("model", "weights", "device")  # settings every command takes as options
 
-def _names(text: str) -> list[str]:
-    """``--models a,b``: the names, without blanks."""
-    return [name.strip() for name in text.split(",") if name.strip()]
+
+def _add_config(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, metavar="PATH", help="TOML config file "
+                        "(default: the per-user config.toml, or VRAMGUARD_CONFIG).")
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", type=Path, help="TOML config file (default: the per-user "
-                        "config.toml, or VRAMGUARD_CONFIG).")
-    parser.add_argument("--model", help=Settings.model_fields["model"].description)
-    parser.add_argument("--weights", type=Path, help=Settings.model_fields["weights"].description)
-    parser.add_argument("--device", help=Settings.model_fields["device"].description)
+    _add_config(parser)
+    add_setting_options(parser, COMMON)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,41 +31,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"vramguard {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    serve = commands.add_parser("serve", help="Run the HTTP server (no tray icon).")
-    _add_common(serve)
-    fields = Settings.model_fields
-    serve.add_argument("--host", help=fields["host"].description)
-    serve.add_argument("--port", type=int, help=fields["port"].description)
-    serve.add_argument("--max-batch-size", type=int, help=fields["max_batch_size"].description)
-    serve.add_argument("--max-wait-ms", type=float, help=fields["max_wait_ms"].description)
-    serve.add_argument("--target-latency-ms", type=float,
-                       help=fields["target_latency_ms"].description)
-    serve.add_argument("--queue-size", type=int, help=fields["queue_size"].description)
-    serve.add_argument("--request-timeout-s", type=float,
-                       help=fields["request_timeout_s"].description)
-    serve.add_argument("--cache-dir", type=Path, help=fields["cache_dir"].description)
-    serve.add_argument("--no-cache", dest="cache", action="store_const", const=False,
-                       help="Do not remember results (env VRAMGUARD_CACHE=0).")
-    serve.add_argument("--log-level", help=fields["log_level"].description)
-    serve.add_argument("--allow-remote", action="store_const", const=True,
-                       help=fields["allow_remote"].description)
-    serve.add_argument("--batch-size", type=int, help=fields["batch_size"].description)
-    serve.add_argument("--cpu-memory-cap", help=fields["cpu_memory_cap"].description)
-    serve.add_argument("--memory-fraction", type=float,
-                       help=fields["memory_fraction"].description)
-    serve.add_argument("--memory-budget", help=fields["memory_budget"].description)
-    serve.add_argument("--models", type=_names, help=fields["models"].description)
-    serve.add_argument("--keep-alive-s", type=float, help=fields["keep_alive_s"].description)
-    serve.add_argument("--idle-release-s", type=float, help=fields["idle_release_s"].description)
+    serve = commands.add_parser(
+        "serve", help="Run the HTTP server (no tray icon).",
+        usage="vramguard serve [--config PATH] [--SETTING VALUE ...]",
+        description="Run the HTTP server (no tray icon). Every setting is an option; each "
+        "is also the environment variable VRAMGUARD_<NAME> (VRAMGUARD_CLASSIFY_BURST=200) "
+        "and the line '<name> = value' in the config file (classify_burst = 200); an "
+        "option wins over both. Lists are comma-separated (--cors-origins "
+        "http://localhost:3000,http://localhost:5173); sizes take units (--max-body-bytes "
+        "64MiB).")
+    _add_config(serve)
+    add_setting_options(serve.add_argument_group("settings"))
     serve.add_argument("--launched-by", type=int, help=argparse.SUPPRESS)  # set by `run`
 
     tray = commands.add_parser("tray", help="Show the tray icon for a running server.")
     _add_common(tray)
-    tray.add_argument("--port", type=int, help=fields["port"].description)
+    add_setting_options(tray, ("port",))
     run = commands.add_parser("run", help="Start the server and the tray icon (the desktop "
                               "shortcut); without a display, just the server.")
     _add_common(run)
-    run.add_argument("--port", type=int, help=fields["port"].description)
+    add_setting_options(run, ("port",))
     run.add_argument("--keep-server", action="store_true",
                      help="Keep the server running when the tray ends (Quit, or the "
                      "launcher being ended); stop it later with `vramguard stop`.")

@@ -24,7 +24,13 @@ import psutil
 import uvicorn
 
 from app import __version__
-from app.config import LOOPBACK_HOSTS, ConfigError, Settings, default_config_file
+from app.config import (
+    LOOPBACK_HOSTS,
+    ConfigError,
+    Settings,
+    default_config_file,
+    unknown_variables,
+)
 from app.host.instance import (
     InstanceLock,
     RunningInstance,
@@ -171,6 +177,8 @@ def serve(settings: Settings, launched_by: int | None = None) -> int:
                              settings.port)
     logging.getLogger("vramguard").info("vramguard %s starting; log file %s", __version__,
                                         log_file or "none (its folder cannot be written)")
+    for warning in unknown_variables(os.environ):  # once, in the log and on stderr
+        logging.getLogger("vramguard").warning(warning)
     limits = connection_limits(settings.max_connections, settings.header_timeout_s)
     try:
         listener = listening_socket(settings.host, settings.port)

@@ -12,7 +12,9 @@ export type ImageSource = Iterable<ImageInput> | AsyncIterable<ImageInput>;
 export type FetchLike = (input: string, init: RequestInit) => Promise<Response>;
 
 export interface ClientOptions {
-  /** The appliance's address. Default `"http://127.0.0.1:8765"`. */
+  /** The appliance's address. Without it the client finds it as `findServer()` does (in
+   * Node; in a browser `"http://127.0.0.1:8765"`), and follows it once per call when
+   * nothing answers where it was. */
   url?: string;
   /** Deadline of one call in milliseconds, waits and retries included. Default 60000. */
   timeoutMs?: number;
@@ -58,8 +60,8 @@ export interface Prediction {
 export interface ClassifyResult {
   model: string;
   predictions: Prediction[];
-  /** Images computed together with this one (0 for a cached answer). */
-  batch_size: number;
+  /** Images computed together with this one; null for an answer from the result cache. */
+  batch_size: number | null;
   cached: boolean;
   /** `read_and_decode`, `queue_and_inference`, `total`. */
   timing_ms: Record<string, number>;
@@ -71,7 +73,8 @@ export interface EmbedResult {
   dimensions: number;
   /** L2-normalised: the dot product of two is their cosine similarity. */
   embedding: number[];
-  batch_size: number;
+  /** Images computed together with this one; null for an answer from the result cache. */
+  batch_size: number | null;
   cached: boolean;
   timing_ms: Record<string, number>;
 }
@@ -104,6 +107,9 @@ export interface ModelInfo {
   images_per_second: number | null;
   batch_fit: { a_ms: number; b_ms: number; observations: number } | null;
   profile_reused: boolean | null;
+  /** False while batch sizes beyond 1 are still measured in the background (then it runs
+   * one image per batch). */
+  profile_complete: boolean | null;
   warmup_seconds: number | null;
   warmup: BatchTiming[];
 }
@@ -182,9 +188,26 @@ export interface StreamOptions extends ClassifyOptions {
 
 export declare const DEFAULT_URL: string;
 
+/** Where the appliance is, and how that was found: `"argument"` (the `url` option),
+ * `"instance"` (a running vramguard's instance file), `"config"` (`VRAMGUARD_PORT` /
+ * `VRAMGUARD_HOST` or the config file) or `"default"`. */
+export interface ServerLocation {
+  url: string;
+  source: "argument" | "instance" | "config" | "default";
+}
+
+/** Find the running appliance (Node only; a browser gets the default): its instance
+ * file, else the configured host and port, else `http://127.0.0.1:8765`, by the Python
+ * client's rules. `env` stands for `process.env`. */
+export declare function findServer(options?: { env?: Record<string, string | undefined> }): Promise<ServerLocation>;
+
 export declare class Client {
   constructor(options?: ClientOptions);
+  /** The appliance's address: `location.url`. */
   readonly url: string;
+  /** Where the appliance is: the `url` option, else what the first call found (until
+   * then the default). */
+  readonly location: ServerLocation;
   readonly timeoutMs: number;
   readonly clientId: string | undefined;
   readonly maxRetries: number;
@@ -271,6 +294,8 @@ export declare class Overloaded extends Unavailable {}
 export declare class DeadlineExceeded extends Unavailable {}
 /** 503: still starting, or the model failed (retried). */
 export declare class NotReady extends Unavailable {}
+/** 503: the model asked for is being loaded (retried after its `Retry-After`). */
+export declare class Loading extends Unavailable {}
 /** 503: an admin paused the appliance (not retried). */
 export declare class Paused extends Unavailable {}
 /** 503: this image, or the model asked for, does not fit in GPU memory now (retried). */

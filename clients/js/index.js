@@ -1,6 +1,7 @@
 // vramguard JavaScript client: an ES module on `fetch` (Node 18+, Electron, browsers).
 // No dependencies. The public API is declared in index.d.ts; README.md explains it.
 
+import { findServer } from "./discovery.js";
 import {
   errorFromResponse,
   retryWaitMs,
@@ -8,6 +9,7 @@ import {
   transportError,
   PACED,
   JITTER,
+  NotRunning,
   Timeout,
   UnexpectedResponse,
 } from "./internal.js";
@@ -33,6 +35,7 @@ export {
   Overloaded,
   DeadlineExceeded,
   NotReady,
+  Loading,
   Paused,
   InsufficientMemory,
   NotRunning,
@@ -42,6 +45,7 @@ export {
   ERROR_CLASSES,
   sniffContentType,
 } from "./internal.js";
+export { findServer } from "./discovery.js";
 
 export const DEFAULT_URL = "http://127.0.0.1:8765";
 
@@ -114,17 +118,19 @@ function query(params) {
 
 export class Client {
   #fetch;
+  #given; // the url option, or null: then the appliance is found (in Node)
+  #found = null; // a promise of the location found, once per client (again after a move)
   #holdUntil = 0; // performance.now() ms before which no image request leaves
 
   /**
    * @param {object} [options]
-   * @param {string} [options.url] the appliance, default http://127.0.0.1:8765
+   * @param {string} [options.url] the appliance; without it, found as findServer() says
    * @param {number} [options.timeoutMs] overall deadline of one call, retries included
    * @param {typeof fetch} [options.fetch] the fetch to use (default globalThis.fetch)
    * @param {string} [options.clientId] sent as X-Client-Id: a rate-limit bucket of its own
    * @param {number} [options.maxRetries] most retries of one call (default 10)
    */
-  constructor({ url = DEFAULT_URL, timeoutMs = 60000, fetch = globalThis.fetch, clientId,
+  constructor({ url, timeoutMs = 60000, fetch = globalThis.fetch, clientId,
     maxRetries = 10 } = {}) {
     if (typeof fetch !== "function") {
       throw new TypeError("no fetch: use Node 18 or later, or pass options.fetch");
@@ -136,13 +142,22 @@ export class Client {
     if (clientId !== undefined && !/^[A-Za-z0-9._-]{1,64}$/.test(clientId)) {
       throw new RangeError("clientId: 1 to 64 of A-Z a-z 0-9 . _ - (the server ignores others)");
     }
-    this.url = String(url).replace(/\/+$/, "");
+    this.#given = url === undefined || url === null ? null : String(url).replace(/\/+$/, "");
+    /** Where the appliance is and how that was found: "argument" (the url option),
+     * "instance", "config" or "default"; found at the first call. */
+    this.location = this.#given === null
+      ? { url: DEFAULT_URL, source: "default" } : { url: this.#given, source: "argument" };
     this.timeoutMs = timeoutMs;
     this.clientId = clientId;
     this.maxRetries = maxRetries;
     // Called without a receiver: a browser's window.fetch stored on an object and
     // called as a method throws "Illegal invocation".
     this.#fetch = (input, init) => fetch(input, init);
+  }
+
+  /** The appliance's address (see `location`). */
+  get url() {
+    return this.location.url;
   }
 
   /** The most likely classes of one image (POST /v1/classify). */
@@ -231,7 +246,8 @@ export class Client {
     const headers = { Accept: "application/json" };
     if (contentType) headers["Content-Type"] = contentType;
     if (this.clientId) headers["X-Client-Id"] = this.clientId;
-    const url = this.url + path;
+    await this.#locate(false);
+    let mayFollow = this.#given === null; // to a found appliance that moved, once a call
     for (let tries = 1; ; tries++) {
       // A hold the server put on this client (a 429, overloaded or not_ready answer to
       // any of its image requests): wait it out, jittered; it may grow meanwhile.
@@ -251,7 +267,8 @@ export class Client {
       signal?.addEventListener("abort", onAbort, { once: true });
       let error;
       try {
-        const response = await this.#fetch(url, { method, headers, body, signal: abort.signal });
+        const response = await this.#fetch(this.url + path,
+          { method, headers, body, signal: abort.signal });
         const text = await response.text();
         if (response.ok) return parseAnswer(text, response.status);
         error = errorFromResponse(response.status, response.headers, text);
@@ -264,12 +281,30 @@ export class Client {
         clearTimeout(timer);
         signal?.removeEventListener("abort", onAbort);
       }
+      if (mayFollow && error instanceof NotRunning) {
+        mayFollow = false;
+        const before = this.url;
+        if ((await this.#locate(true)) !== before) continue; // restarted elsewhere: go there
+      }
       const wait = tries > this.maxRetries ? null : retryWaitMs(error, tries);
       if (wait === null || now() + wait >= deadline) throw error;
       const retryAt = now() + wait;
       if (paced && PACED.has(error.code)) this.#holdUntil = Math.max(this.#holdUntil, retryAt);
       await sleepUntil(retryAt, signal);
     }
+  }
+
+  /** Find the appliance (when no url was given): at the first call, and again (`again`)
+   * when nothing answers where it was; the address in use. */
+  async #locate(again) {
+    if (this.#given !== null) return this.url;
+    if (this.#found === null || again) {
+      this.#found = findServer().then((location) => {
+        this.location = location;
+        return location;
+      });
+    }
+    return (await this.#found).url;
   }
 
   #timeout(timeoutMs) {

@@ -102,6 +102,10 @@ export class DeadlineExceeded extends Unavailable {
 export class NotReady extends Unavailable {
   static code = "not_ready";
 }
+/** The model asked for is being loaded; `retryAfter` says when to come back. */
+export class Loading extends Unavailable {
+  static code = "loading";
+}
 export class Paused extends Unavailable {
   static code = "paused";
 }
@@ -130,14 +134,14 @@ export class UnexpectedResponse extends VramguardError {
 export const ERROR_CLASSES = Object.freeze(Object.fromEntries([
   BadImage, BadRequest, Unauthorized, Forbidden, NotFound, MethodNotAllowed, RequestTimeout,
   Conflict, PayloadTooLarge, ImageTooLarge, UnsupportedMediaType, ImageTooComplex,
-  RateLimited, ClientClosed, InternalError, Overloaded, DeadlineExceeded, NotReady, Paused,
-  InsufficientMemory,
+  RateLimited, ClientClosed, InternalError, Overloaded, DeadlineExceeded, NotReady, Loading,
+  Paused, InsufficientMemory,
 ].map((cls) => [cls.code, cls])));
 
 /** Codes worth another try; every other error (other 4xx, paused, ...) is thrown at once.
  * (replica_lost: a cluster replica died with the request; another one answers it.) */
 export const RETRIED = new Set(["rate_limited", "overloaded", "deadline_exceeded", "not_ready",
-  "insufficient_memory", "connection_lost", "replica_lost"]);
+  "loading", "insufficient_memory", "connection_lost", "replica_lost"]);
 /** Codes that hold back every image request of the client, not only the refused one: the
  * server refused this client, or is refusing everyone. */
 export const PACED = new Set(["rate_limited", "overloaded", "not_ready"]);

@@ -1,5 +1,6 @@
 """The `vramguard` command against the real model and a real server: `doctor`'s whole
-check, a clean stop on SIGTERM, the rotating log file (the rest: unit/cli/test_cli.py)."""
+check, a clean stop on SIGTERM, the rotating log file and the warnings in it (the rest:
+unit/cli/test_cli.py)."""
 
 from __future__ import annotations
 
@@ -28,12 +29,19 @@ def test_sigterm_stops_the_server_cleanly(tmp_path):
 
 
 def test_server_logs_to_a_rotating_file_in_the_user_log_folder(tmp_path):
-    with live_server(tmp_path, "--no-cache") as server:
+    """The log file; in it and on stderr, once, the warning about a misspelt variable."""
+    with live_server(tmp_path, "--no-cache",
+                     env={"VRAMGUARD_CLASIFY_BURST": "2"}) as server:
         port = server.url.rsplit(":", 1)[1]
         log_file = (Path(server.home) / "xdg_state_home" / "vramguard" / "log" /
                     f"vramguard-{port}.log")  # not the default port: a file of its own
         text = log_file.read_text()
     assert "INFO vramguard.engine: ready:" in text and "INFO uvicorn" in text
     assert "doctor" not in text
+    warning = ("WARNING vramguard: The environment variable VRAMGUARD_CLASIFY_BURST is not a "
+               "vramguard setting, so it changes nothing. Did you mean "
+               "VRAMGUARD_CLASSIFY_BURST?")
+    assert text.count(warning) == 1
+    assert server.log_text().count(warning) == 1  # stderr
     doctor = run_cli("doctor")
     assert "log folder" in doctor.stdout

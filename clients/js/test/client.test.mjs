@@ -7,10 +7,12 @@ import { describe, it } from "node:test";
 import * as vg from "../index.js";
 import { askedSeconds, retryAfterSeconds, retryWaitMs } from "../internal.js";
 import {
-  CLASSIFIED, coffee, delay, errorResponse, fakeFetch, jsonResponse, makePng,
+  CLASSIFIED, coffee, delay, errorResponse, fakeFetch, isolateUserFolders, jsonResponse,
+  makePng, standIn,
 } from "./helpers.mjs";
 
 const { Client, VramguardError } = vg;
+isolateUserFolders(); // a Client without url finds nothing running: the default address
 const JPEG = new Uint8Array([0xff, 0xd8, 0xff, 0xe0, 0, 16, 0x4a, 0x46, 0x49, 0x46]);
 
 // Every code the server answers (app/errors.py, app/gates/rate_limit.py), as the README's
@@ -35,6 +37,7 @@ const DOCUMENTED = [
   [503, "deadline_exceeded", "DeadlineExceeded"],
   [503, "paused", "Paused"],
   [503, "not_ready", "NotReady"],
+  [503, "loading", "Loading"],
   [503, "insufficient_memory", "InsufficientMemory"],
 ];
 
@@ -265,6 +268,37 @@ describe("retries", () => {
       assert.ok(gaps[n] >= asked, `waited ${gaps[n]} ms, asked ${asked}`);
       // Jitter adds at most 25 % of max(wait, 0.5 s) (plus this loaded machine's slack).
       assert.ok(gaps[n] < asked + 0.25 * Math.max(asked, 500) + 300, `waited ${gaps[n]} ms`);
+    }
+  });
+
+  it("a model being loaded: 503 loading is tried again after its Retry-After, within the deadline", async () => {
+    // The server's contract: 503, {"error": {"code": "loading"}}, Retry-After in whole seconds.
+    const loadingTwice = (_, n) => (n < 2
+      ? { status: 503, headers: { "retry-after": "1" },
+        body: { error: { code: "loading", message: "efficientnet_lite1 is being loaded, try again in 1 s" } } }
+      : { body: CLASSIFIED });
+    const server = await standIn(loadingTwice);
+    try {
+      const result = await new Client({ url: server.url, timeoutMs: 10000 })
+        .classify(JPEG, { model: "efficientnet_lite1" });
+      assert.deepEqual(result, CLASSIFIED);
+      assert.equal(server.requests.length, 3);
+      const gaps = server.requests.slice(1).map((r, n) => r.at - server.requests[n].at);
+      for (const gap of gaps) assert.ok(gap >= 1000, `tried again after ${gap} ms, Retry-After was 1 s`);
+    } finally {
+      await server.close();
+    }
+    const again = await standIn(loadingTwice);
+    try {
+      // A wait that would pass the call's deadline: the Loading error at once.
+      const error = await new Client({ url: again.url, timeoutMs: 800 }).classify(JPEG)
+        .catch((e) => e);
+      assert.ok(error instanceof vg.Loading && error instanceof vg.Unavailable, String(error));
+      assert.deepEqual([error.code, error.status, error.retryAfter], ["loading", 503, 1]);
+      assert.match(error.message, /being loaded/);
+      assert.equal(again.requests.length, 1);
+    } finally {
+      await again.close();
     }
   });
 

@@ -1,6 +1,10 @@
-// Shared by the tests: a recording fake fetch, small images made here, the test photos.
+// Shared by the tests: a recording fake fetch, a real HTTP stand-in, small images made
+// here, the test photos, user folders of the test's own.
 
-import { readFileSync } from "node:fs";
+import { mkdtempSync, readFileSync } from "node:fs";
+import { createServer } from "node:http";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
 import { fileURLToPath } from "node:url";
 import { deflateSync } from "node:zlib";
 
@@ -87,4 +91,38 @@ export function makePng(size = 48, seed = 0) {
   }
   return Buffer.concat([Buffer.from([0x89, 0x50, 0x4e, 0x47, 0x0d, 0x0a, 0x1a, 0x0a]),
     chunk("IHDR", header), chunk("IDAT", deflateSync(raw)), chunk("IEND", Buffer.alloc(0))]);
+}
+
+/** Point this test process at empty user folders of its own (no VRAMGUARD_* variables),
+ * so that a vramguard running on this computer is never found; the config folder. */
+export function isolateUserFolders() {
+  const home = mkdtempSync(join(tmpdir(), "vramguard-js-"));
+  for (const name of Object.keys(process.env)) {
+    if (name.startsWith("VRAMGUARD_")) delete process.env[name];
+  }
+  Object.assign(process.env, { HOME: home, XDG_CONFIG_HOME: join(home, "config"),
+    LOCALAPPDATA: join(home, "local") });
+  return process.platform === "win32" ? join(home, "local", "vramguard")
+    : process.platform === "darwin" ? join(home, "Library", "Application Support", "vramguard")
+      : join(home, "config", "vramguard");
+}
+
+/** A real HTTP server on 127.0.0.1 (a free port) answering each request with
+ * `answer(request, n)`: `{ status, headers, body }`. Resolves to `{ url, port, requests,
+ * close }`; `requests` records each one's method, url and time. */
+export async function standIn(answer) {
+  const requests = [];
+  const server = createServer((request, response) => {
+    request.resume();
+    request.on("end", () => {
+      requests.push({ method: request.method, url: request.url, at: performance.now() });
+      const { status = 200, headers = {}, body = {} } = answer(request, requests.length - 1);
+      response.writeHead(status, { "content-type": "application/json", ...headers });
+      response.end(JSON.stringify(body));
+    });
+  });
+  await new Promise((resolve) => server.listen(0, "127.0.0.1", resolve));
+  const { port } = server.address();
+  return { url: `http://127.0.0.1:${port}`, port, requests,
+    close: () => new Promise((resolve) => server.close(resolve)) };
 }

@@ -1,6 +1,7 @@
 // The client against a real vramguard (`python -m app serve`). tests/live/test_client_js_live.py
 // starts two and runs these with VRAMGUARD_URL (rate limit off) and VRAMGUARD_LIMITED_URL
-// (one classify token, refilled every 2 s); without them these tests skip.
+// (one classify token, refilled every 2 s), and the first one's user folders and token
+// file (so that a Client without url finds it); without them these tests skip.
 
 import assert from "node:assert/strict";
 import { describe, it } from "node:test";
@@ -49,6 +50,14 @@ describe("against a real server", { skip: noServer }, () => {
       assert.equal(result.model, "efficientnet_lite0");
       assert.ok(result.predictions[0].score > 0.5);
     }
+  });
+
+  it("a Client without url finds the server on its moved port by its instance file", async () => {
+    assert.ok(!URL_.endsWith(":8765"), `${URL_} is on the default port`);
+    const found = new Client();
+    const result = await found.classify(coffee(), { topK: 3 });
+    assert.equal(result.predictions[0].label, "espresso");
+    assert.deepEqual(found.location, { url: URL_, source: "instance" });
   });
 
   it("embeds: 1280 numbers of unit norm; the same photo twice has cosine 1", async () => {

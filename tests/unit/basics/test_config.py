@@ -87,3 +87,30 @@ def test_readme_documents_every_setting():
     readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
     missing = [name for name in Settings.model_fields if f"| `{name}` |" not in readme]
     assert not missing, f"settings missing from the README's table: {missing}"
+
+
+def test_a_misspelt_variable_is_warned_about_with_the_closest_name():
+    from app.config import unknown_variables
+
+    warnings = unknown_variables({
+        "VRAMGUARD_CLASIFY_BURST": "2", "vramguard_prot": "8780", "VRAMGUARD_XYZZY": "1",
+        "VRAMGUARD_PORT": "8780", "vramguard_queue_size": "3", "VRAMGUARD_CONFIG": "c.toml",
+        "HOME": "/home/me", "MY_VRAMGUARD_PORT": "1"})
+    assert warnings == [
+        "The environment variable VRAMGUARD_CLASIFY_BURST is not a vramguard setting, so it "
+        "changes nothing. Did you mean VRAMGUARD_CLASSIFY_BURST?",
+        "The environment variable VRAMGUARD_XYZZY is not a vramguard setting, so it changes "
+        "nothing.",
+        "The environment variable vramguard_prot is not a vramguard setting, so it changes "
+        "nothing. Did you mean VRAMGUARD_PORT?",
+    ]
+
+
+def test_every_variable_the_settings_read_is_known(monkeypatch):
+    """What the warning calls unknown is what the settings ignore, and the reverse."""
+    from app.config import Settings, unknown_variables
+
+    for name in Settings.model_fields:
+        assert unknown_variables({f"VRAMGUARD_{name.upper()}": "x"}) == []
+    monkeypatch.setenv("VRAMGUARD_CLASIFY_BURST", "2")
+    assert load_settings().classify_burst == 100  # ignored, hence the warning
