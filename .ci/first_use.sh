@@ -4,14 +4,18 @@
 # as the README shows it. Each command's output goes to the log; the first failure stops
 # the script with its name. Run by .ci/run; `bash .ci/first_use.sh` runs it alone.
 #
-# Not here: `run` and `tray`, which need a desktop (tests/desktop/ starts them under Xvfb).
+# `run` and `tray` need a desktop: they run under Xvfb with the tint2 panel as tray host
+# where those are installed (.ci/run installs them), with the README's install (no
+# PyGObject, so pystray's plain X backend).
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 work=$(mktemp -d /tmp/vramguard-first-use.XXXXXX)
 port=18765  # not the default: a vramguard the developer runs keeps its port
 server=""
+desktop=()
 finish() {
     [ -z "$server" ] || kill "$server" 2>/dev/null || true
+    for pid in "${desktop[@]}"; do kill "$pid" 2>/dev/null || true; done
     rm -rf "$work"
 }
 trap finish EXIT
@@ -58,4 +62,58 @@ curl -fs --data-binary @"$repo/tests/data/coffee.jpg" -H 'Content-Type: image/jp
 wait "$server" || true
 server=""
 curl -fs "http://127.0.0.1:$port/healthz" >/dev/null 2>&1 && fail "still answering after stop"
+wait_ready() {  # wait_ready PID LOG: the server on $port answers /readyz
+    for _ in $(seq 300); do
+        curl -fs "http://127.0.0.1:$port/readyz" >/dev/null 2>&1 && return 0
+        kill -0 "$1" 2>/dev/null || { cat "$2"; fail "$3 exited"; }
+        sleep 0.5
+    done
+    cat "$2"; fail "$3: the server never became ready"
+}
+docked() {  # the tray icon's window is in the panel (named "vramguard: ...")
+    for _ in $(seq 60); do
+        xwininfo -root -tree 2>/dev/null | grep -q '"vramguard:' && return 0
+        sleep 0.5
+    done
+    return 1
+}
+if command -v Xvfb >/dev/null && command -v tint2 >/dev/null && command -v xwininfo >/dev/null
+then
+    display=99
+    while [ -e "/tmp/.X11-unix/X$display" ] || [ -e "/tmp/.X$display-lock" ]; do
+        display=$((display + 1))
+    done
+    export DISPLAY=":$display"
+    Xvfb "$DISPLAY" -screen 0 1280x800x24 -nolisten tcp > xvfb.log 2>&1 &
+    desktop+=($!)
+    for _ in $(seq 50); do xwininfo -root >/dev/null 2>&1 && break; sleep 0.2; done
+    tint2 > tint2.log 2>&1 &
+    desktop+=($!)
+
+    step "vramguard run (the server and its tray icon), then vramguard stop"
+    "$vg" run --port "$port" > run.log 2>&1 &
+    server=$!
+    wait_ready "$server" run.log "run"
+    docked || { cat run.log; fail "run: no tray icon in the panel"; }
+    "$vg" stop --port "$port" || fail "stop after run"
+    wait "$server" || true
+    server=""
+    docked_after=$(xwininfo -root -tree 2>/dev/null | grep -c '"vramguard:' || true)
+    [ "$docked_after" = 0 ] || fail "run: the tray icon stayed after stop"
+
+    step "vramguard tray for a running server"
+    "$vg" serve --port "$port" > serve2.log 2>&1 &
+    server=$!
+    wait_ready "$server" serve2.log "serve"
+    "$vg" tray --port "$port" > tray.log 2>&1 &
+    tray=$!
+    desktop+=("$tray")
+    docked || { cat tray.log; fail "tray: no icon in the panel"; }
+    kill -0 "$tray" 2>/dev/null || { cat tray.log; fail "tray exited"; }
+    "$vg" stop --port "$port" || fail "stop with a tray open"
+    wait "$server" || true
+    server=""
+else
+    step "run and tray: skipped (no Xvfb, tint2 or xwininfo here; .ci/run installs them)"
+fi
 step "every command worked"
