@@ -1,8 +1,10 @@
 """The system-tray icon (pystray). Thin: everything it shows or does comes from
 TrayController; this file only maps it onto pystray's icon and menu.
 
-On Linux pystray's GTK backend is the one with menus (its xorg backend has
-none); `import pystray` itself fails without a display, so callers check first.
+On Linux pystray's GTK backend is the one with menus; its xorg backend (what pystray
+falls back to without GTK and PyGObject) has none, so there a click on the icon opens the
+dashboard, which offers the menu's actions (tray/clicks.py). `import pystray` itself
+fails without a display, so callers check first.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from tray.clicks import accept_clicks
 from tray.controller import TrayController
-from tray.text import MODELS_HEADING
+from tray.text import MODELS_HEADING, USE_PAGE_ITEM
 
 log = logging.getLogger("vramguard.tray")
 REFRESH_S = 1.0
@@ -103,13 +106,28 @@ def display_available() -> bool:
 
 
 def _say(icon: Any, message: str) -> None:
-    icon.notify(message, "vramguard")
+    """A notification where the backend can show one. pystray's xorg backend has none, and
+    GTK's needs a notification service that a minimal desktop lacks: then the message is
+    logged (a warning, so that it reaches the terminal), and nothing raises."""
+    if not icon.HAS_NOTIFICATION:
+        log.warning("tray: %s", message)
+        return
+    try:
+        icon.notify(message, "vramguard")
+    except Exception as exc:
+        log.warning("tray: %s (could not show it as a notification: %s)", message, exc)
+
+
+def _say_problem(icon: Any, problem: str | None) -> None:
+    if problem:
+        _say(icon, problem)
 
 
 def build_menu(pystray: ModuleType, controller: TrayController,
                stop: threading.Event) -> Any:
     """The menu: the readings, the models in memory (each with its Unload), the actions,
-    and Open dashboard as the default (what a left click on the icon does on Windows).
+    and Open dashboard as the default (what a left click on the icon does on Windows, and
+    any click where the backend has no menu).
 
     pystray asks for the items each time it builds the menu (``update_menu``, which
     TrayView calls when the models change), so the models section is made then, from
@@ -121,11 +139,6 @@ def build_menu(pystray: ModuleType, controller: TrayController,
             return lines[index] if index < len(lines) else ""
         return pystray.MenuItem(text, None, enabled=False,
                                 visible=lambda _item: index < len(controller.lines()))
-
-    def open_dashboard(icon: Any) -> None:
-        problem = controller.open_dashboard()
-        if problem:
-            _say(icon, problem)
 
     def unloader(name: str) -> Callable[[Any], None]:
         return lambda icon: _say(icon, controller.unload(name))
@@ -156,7 +169,11 @@ def build_menu(pystray: ModuleType, controller: TrayController,
         pystray.MenuItem("Pause", lambda icon: _say(icon, controller.toggle_pause()),
                          checked=lambda _item: controller.paused,
                          enabled=lambda _item: not controller.down),
-        pystray.MenuItem("Open dashboard", lambda icon: open_dashboard(icon), default=True),
+        pystray.MenuItem("Open dashboard",
+                         lambda icon: _say_problem(icon, controller.open_dashboard()),
+                         default=True),
+        pystray.MenuItem(USE_PAGE_ITEM,
+                         lambda icon: _say_problem(icon, controller.open_use_page())),
         pystray.MenuItem("Start server", lambda _icon: controller.ensure_server(),
                          visible=lambda _item: controller.down
                          and controller.start_server is not None),
@@ -199,6 +216,8 @@ def run_tray(controller: TrayController) -> None:
                         build_menu(pystray, controller, stop))
     controller.notify = lambda message: _say(icon, message)
     report_crashes(controller.notify)
+    # where the backend has no menu, a click opens the dashboard (the default item)
+    accept_clicks(icon, lambda: _say_problem(icon, controller.open_dashboard()))
 
     view = TrayView(controller)
     controller.follow()

@@ -6,6 +6,12 @@ icon, a tooltip and menu lines, raises one notification per memory episode
 and per suspected leak, runs the menu's actions through the API, and
 supervises the server process it started: a server that dies is restarted,
 and the menu says why it stopped.
+
+It says "vramguard is ready: 127.0.0.1:8765" once per start of the tray, at its first
+reading (the server sends readings only once its model is ready). Once per start, not
+once per install: a start takes from seconds to minutes (the first), and whoever just
+started vramguard cannot tell when it is ready from an icon that may sit in the hidden
+part of the tray; a server restarted after a crash is said in the menu instead.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import logging
 import subprocess
 import threading
 import time
+import webbrowser
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlparse
@@ -29,9 +36,11 @@ from tray.dashboard import DashboardOpener
 from tray.event_stream import EventStream
 from tray.icon import draw_icon
 from tray.text import (
+    READY,
     UNLOAD_BUSY,
     UNLOAD_GONE,
     UNLOADED,
+    USE_PAGE_DOWN,
     ModelEntry,
     Notifier,
     gauge_of,
@@ -66,6 +75,7 @@ class TrayController:
         self.stopped = False  # the server we started was stopped on purpose: quit the tray
         self._next_start = 0.0
         self._notifier = Notifier()
+        self._announced = False  # "vramguard is ready" was said
         self._lock = threading.Lock()  # the stream's thread and the tray's share the reading
         self._news = threading.Event()
         self._stream: EventStream | None = None
@@ -129,13 +139,20 @@ class TrayController:
                 self.status = "running"
             elif self.status == "running":
                 self.status = f"not answering: {problem}"
-            messages = [self._notifier.update(gauge_of(sample).state)]
+            messages = [self._ready_message(sample),
+                        self._notifier.update(gauge_of(sample).state)]
             if sample is not None:
                 messages.append(self._notifier.leak(sample.leak_suspected,
                                                     sample.leak_growth_bytes))
         for message in messages:
             if message:
                 self.notify(message)
+
+    def _ready_message(self, sample: LiveSample | None) -> str | None:
+        if sample is None or self._announced:
+            return None
+        self._announced = True
+        return READY.format(address=urlparse(self.client.base_url).netloc)
 
     def icon(self, size: int = 64) -> Image.Image:
         return draw_icon(gauge_of(self.sample), size)
@@ -207,6 +224,14 @@ class TrayController:
             opener.open()
         except (ServerDown, NotVramguard, RuntimeError) as exc:
             return f"Could not open the dashboard: {exc}"
+        return None
+
+    def open_use_page(self) -> str | None:
+        """Open "Use it from your app" (``/ui/use``, which holds no secret: no one-time code)
+        in the browser; None when it opened, else what to tell the person."""
+        if self.down:
+            return USE_PAGE_DOWN
+        webbrowser.open(f"{self.client.base_url}/ui/use")
         return None
 
     def _act(self, action: Callable[[], dict[str, Any]],

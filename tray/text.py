@@ -84,6 +84,9 @@ def menu_lines(sample: LiveSample | None) -> list[str]:
 
 
 MODELS_HEADING = "Models in memory:"
+USE_PAGE_ITEM = "Use it from your app"
+USE_PAGE_DOWN = "vramguard is not running, so it cannot show how to use it. Start it first."
+READY = "vramguard is ready: {address}"
 UNLOADED = ("{name} is no longer in memory ({size} freed). It loads again the next time an "
             "image asks for it.")
 UNLOAD_BUSY = ("{name} is working on images right now, so it stays in memory. Try again when "

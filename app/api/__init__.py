@@ -7,8 +7,22 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from app.api import admin, classify, embed, events, memory, models, oip, status, stream, ui
+from app.api import (
+    admin,
+    classify,
+    embed,
+    events,
+    memory,
+    models,
+    oip,
+    status,
+    stream,
+    support,
+    ui,
+    use_page,
+)
 
 ROUTERS: tuple[APIRouter, ...] = (classify.router, stream.router, embed.router, models.router,
                                   memory.router, events.router, status.router, admin.router,
-                                  ui.router, oip.router)
+                                  ui.router, use_page.router, support.router,
+                                  oip.router)

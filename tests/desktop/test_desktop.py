@@ -1,11 +1,17 @@
 """The tray on a real (virtual) desktop: Xvfb + openbox + the tint2 panel as tray host, the
 backend vramguard chooses (GTK here), a real server. The icon docks, its picture follows
-the server's memory state, the menu's Empty cache and a model's Unload (driven with
-xdotool) reach the server, and `vramguard stop` ends a desktop launch (server + tray)
-cleanly. Skipped where the desktop packages are not installed (.ci/run installs them)."""
+the server's memory state, the menu's Empty cache, Use it from your app and a model's
+Unload (driven with xdotool) reach the server or the browser, the tray's notifications
+("vramguard is ready", memory full) reach the desktop's notification service, and
+`vramguard stop` ends a desktop launch (server + tray) cleanly. With pystray's xorg backend
+(no menu: what a Linux without GTK and PyGObject gets), a click on the icon opens the
+dashboard, signed in, and its Empty cache works. The browser the tray starts is a
+stand-in that writes down what it was given ($BROWSER); Chromium then opens that.
+Skipped where the desktop packages are not installed (.ci/run installs them)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -29,6 +35,7 @@ if missing := [tool for tool in TOOLS if not shutil.which(tool)]:
     pytest.skip(f"desktop tools not installed: {missing}", allow_module_level=True)
 pytest.importorskip("gi")
 DOCS = Path(__file__).resolve().parents[2] / "docs"
+NOTIFICATION_SERVICE = Path(__file__).with_name("notification_service.py")
 GiB = 1024**3
 
 
@@ -114,6 +121,41 @@ def save_menu(shot: Path, icon_top: int, name: str) -> None:
         DOCS / name)
 
 
+def fake_browser(tmp_path: Path) -> tuple[Path, Path]:
+    """A program to name in $BROWSER that writes down each address it is asked to open (one
+    a line); and that record."""
+    record = tmp_path / "opened.txt"
+    program = tmp_path / "browser"
+    program.write_text(f'#!/bin/sh\nprintf "%s\\n" "$1" >> {record}\n')
+    program.chmod(0o755)
+    return program, record
+
+
+def opened(record: Path) -> list[str]:
+    return record.read_text().splitlines() if record.exists() else []
+
+
+def notifications(record: Path) -> list[str]:
+    """The messages the notification service was sent."""
+    if not record.exists():
+        return []
+    return [json.loads(line)["message"] for line in record.read_text().splitlines()]
+
+
+def tray_command(port: str, record: Path) -> list[str]:
+    """`vramguard tray` on a session bus of its own with a notification service on it
+    (pystray's GTK backend sends its notifications there)."""
+    return ["dbus-run-session", "--", sys.executable, str(NOTIFICATION_SERVICE), str(record),
+            sys.executable, "-m", "app", "tray", "--port", port]
+
+
+def docked(env: dict[str, str]) -> tuple[int, int, int, int] | None:
+    """The icon's geometry once it is in the panel at the bottom (xorg's window exists,
+    named, at -1,-1 before the panel takes it)."""
+    geometry = icon_geometry(env)
+    return geometry if geometry is not None and geometry[1] > 700 else None
+
+
 def memory(server) -> dict:
     with server.client() as client:
         return client.get("/v1/memory").json()
@@ -138,13 +180,13 @@ def desktop(stack: ExitStack, tmp_path: Path) -> dict[str, str]:
 def test_tray_docks_follows_memory_and_empties_the_cache(tmp_path):
     with ExitStack() as stack:
         env = desktop(stack, tmp_path)
-        server = stack.enter_context(live_server(tmp_path, "--no-cache", "--memory-budget",
-                                                 "1GiB", env={"VRAMGUARD_RATE_LIMIT": "0"}))
+        server = stack.enter_context(live_server(tmp_path, "--no-cache",
+                                                 env={"VRAMGUARD_RATE_LIMIT": "0"}))
         port = server.url.rsplit(":", 1)[1]
+        said = tmp_path / "notifications.jsonl"
         tray_env = {**env, "VRAMGUARD_TOKEN_FILE": str(server.token_file)}
-        # pystray's GTK backend sends notifications over a D-Bus session bus
-        stack.enter_context(background(["dbus-run-session", "--", sys.executable, "-m", "app",
-                                        "tray", "--port", port], tray_env, tmp_path / "tray.log"))
+        stack.enter_context(background(tray_command(port, said), tray_env,
+                                       tmp_path / "tray.log"))
         geometry = wait_for(lambda: icon_geometry(env), what="the icon to dock")
         assert geometry[2] >= 16 and geometry[1] > 700  # in the panel at the bottom
 
@@ -158,6 +200,9 @@ def test_tray_docks_follows_memory_and_empties_the_cache(tmp_path):
             red = capture_when(env, geometry, tmp_path / "shedding.png",
                                lambda p: share_of(p, "shedding") > 0.05)
             assert share_of(red, "shedding") > share_of(healthy, "shedding")
+            # said in the same reading that recoloured the icon
+            wait_for(lambda: any(m.startswith("GPU memory is full") for m in notifications(said)),
+                     what="the memory-full notification")
         finally:
             del hog
         wait_for(lambda: memory(server)["state"] != "shedding", timeout=30, what="recovery")
@@ -178,7 +223,103 @@ def test_tray_docks_follows_memory_and_empties_the_cache(tmp_path):
         subprocess.run(["xdotool", "key", *downs, "Return"], env=env, check=True)
         wait_for(lambda: memory(server)["cache_empties"] == before + 1,
                  what="the Empty cache click to reach the server")
+
     assert "Traceback" not in (tmp_path / "tray.log").read_text()
+
+
+def test_the_tray_says_it_is_ready_once_and_opens_use_it_from_your_app(tmp_path):
+    """GTK's menu: "vramguard is ready" reaches the desktop's notification service once,
+    at the first reading; Use it from your app hands the browser the page's address (it
+    holds no secret, so no one-time link)."""
+    with ExitStack() as stack:
+        env = desktop(stack, tmp_path)
+        server = stack.enter_context(live_server(tmp_path, "--no-cache",
+                                                 env={"VRAMGUARD_RATE_LIMIT": "0"}))
+        port = server.url.rsplit(":", 1)[1]
+        program, pages = fake_browser(tmp_path)
+        said = tmp_path / "notifications.jsonl"
+        tray_env = {**env, "VRAMGUARD_TOKEN_FILE": str(server.token_file),
+                    "BROWSER": str(program)}
+        stack.enter_context(background(tray_command(port, said), tray_env,
+                                       tmp_path / "tray.log"))
+        x, y, w, h = wait_for(lambda: docked(env), what="the icon to dock")
+        ready = f"vramguard is ready: 127.0.0.1:{port}"
+        wait_for(lambda: ready in notifications(said), what="the ready notification")
+        subprocess.run(["xdotool", "mousemove", str(x + w // 2), str(y + h // 2), "click",
+                        "3"], env=env, check=True)
+        time.sleep(1.0)
+        # the first enabled item is the model, then Empty cache, Reset peak, Pause, Open
+        # dashboard, and Use it from your app
+        downs = ["Down"] * (len(memory(server)["models"]) + 5)
+        subprocess.run(["xdotool", "key", *downs, "Return"], env=env, check=True)
+        wait_for(lambda: opened(pages), what="the browser to be given the page")
+        assert opened(pages) == [f"{server.url}/ui/use"]
+        assert "Use vramguard from your app" in httpx.get(opened(pages)[0]).text
+        time.sleep(2.0)  # two more readings at least: none says it again
+        assert notifications(said) == [ready]
+    assert "Traceback" not in (tmp_path / "tray.log").read_text()
+
+
+@pytest.fixture
+def chromium():
+    webdriver = pytest.importorskip("selenium.webdriver")
+    if not (shutil.which("chromium") and shutil.which("chromedriver")):
+        pytest.skip("chromium and chromedriver are not installed")
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu"):
+        options.add_argument(flag)
+    options.binary_location = shutil.which("chromium")
+    driver = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=options)
+    yield driver
+    driver.quit()
+
+
+def test_without_a_menu_a_click_opens_the_dashboard_and_its_empty_cache_works(
+        tmp_path, chromium):
+    """pystray's xorg backend, forced (GTK is installed here): no menu, so a click on the
+    icon opens the dashboard with the tray's one-time link. A double click opens one page;
+    a right click opens one too (there is no menu for it to open)."""
+    with ExitStack() as stack:
+        env = desktop(stack, tmp_path)
+        server = stack.enter_context(live_server(tmp_path, "--no-cache",
+                                                 env={"VRAMGUARD_RATE_LIMIT": "0"}))
+        port = server.url.rsplit(":", 1)[1]
+        program, pages = fake_browser(tmp_path)
+        tray_env = {**env, "VRAMGUARD_TOKEN_FILE": str(server.token_file),
+                    "BROWSER": str(program), "PYSTRAY_BACKEND": "xorg"}
+        stack.enter_context(background([sys.executable, "-m", "app", "tray", "--port", port],
+                                       tray_env, tmp_path / "tray.log"))
+        x, y, w, h = wait_for(lambda: docked(env), what="the icon to dock")
+        ready = f"tray: vramguard is ready: 127.0.0.1:{port}"  # logged: xorg has no
+        wait_for(lambda: ready in (tmp_path / "tray.log").read_text(),  # notifications
+                 what="the tray's first reading")
+        centre = [str(x + w // 2), str(y + h // 2)]
+        subprocess.run(["xdotool", "mousemove", *centre, "click", "--repeat", "2",
+                        "--delay", "150", "1"], env=env, check=True)
+        wait_for(lambda: opened(pages), what="the click to open the dashboard")
+        time.sleep(2.0)  # a second page, if the double click opened one, is there by now
+        assert len(opened(pages)) == 1
+        subprocess.run(["xdotool", "click", "3"], env=env, check=True)
+        wait_for(lambda: len(opened(pages)) == 2, what="the right click to open it")
+
+        page = opened(pages)[-1]
+        assert page.startswith("file://") and "code" not in page
+        chromium.get(page)
+        wait_for(lambda: chromium.current_url.startswith(f"{server.url}/ui"),
+                 what="the dashboard")
+        button = wait_for(lambda: (lambda b: b if b.is_enabled() else None)(
+            chromium.find_element("id", "empty")), what="Empty cache to be enabled")
+        before = memory(server)["cache_empties"]
+        button.click()
+        wait_for(lambda: chromium.find_element("id", "message").text.startswith("Gave back"),
+                 what="the dashboard to say what it gave back")
+        assert memory(server)["cache_empties"] == before + 1
+    log = (tmp_path / "tray.log").read_text()
+    assert "a click on the icon opens the dashboard" in log
+    assert log.count(ready) == 1
+    assert "Traceback" not in log
 
 
 def loaded(server) -> list[str]:

@@ -12,6 +12,7 @@ from live_server import free_port
 
 from tray.client import ApiClient
 from tray.controller import TrayController
+from tray.text import USE_PAGE_DOWN
 
 
 @pytest.fixture
@@ -49,6 +50,30 @@ def test_actions_go_through_the_api(controller, server, monkeypatch):
         after = client.get("/v1/memory").json()
     assert after["idle_releases"] == before["idle_releases"]  # an explicit release, not idle
     assert after["cache_empties"] == before["cache_empties"] + 1
+
+
+def test_says_it_is_ready_once_and_opens_the_use_page(controller, server, monkeypatch):
+    """The first reading of a ready server is said once, whatever follows; the use page is
+    opened at the configured address (it holds no secret: no one-time code)."""
+    opened: list[str] = []
+    monkeypatch.setattr(webbrowser, "open", lambda url, *a, **k: opened.append(url))
+    for _ in range(3):
+        controller.refresh()
+    port = server.url.rsplit(":", 1)[1]
+    assert controller.messages == [f"vramguard is ready: 127.0.0.1:{port}"]
+    assert controller.open_use_page() is None
+    assert opened == [f"{server.url}/ui/use"]
+
+
+def test_a_server_that_is_not_there_is_not_said_to_be_ready(tmp_path, monkeypatch):
+    opened: list[str] = []
+    monkeypatch.setattr(webbrowser, "open", lambda url, *a, **k: opened.append(url))
+    messages: list[str] = []
+    with ApiClient(f"http://127.0.0.1:{free_port()}", tmp_path / "token") as client:
+        tray = TrayController(client, notify=messages.append)
+        tray.refresh()
+        assert tray.open_use_page() == USE_PAGE_DOWN
+    assert messages == [] and opened == []
 
 
 def test_the_models_in_memory_and_an_unload_the_server_refuses(controller):

@@ -110,7 +110,7 @@ def test_a_failed_update_is_logged_and_tried_again(caplog):
     assert "could not update the icon" in caplog.text
 
 
-def test_open_dashboard_is_the_default_action(monkeypatch):
+def test_open_dashboard_is_the_default_action_and_use_it_from_your_app_follows(monkeypatch):
     monkeypatch.setenv("PYSTRAY_BACKEND", "dummy")
     from tray.app import load_pystray
 
@@ -118,6 +118,8 @@ def test_open_dashboard_is_the_default_action(monkeypatch):
     menu = build_menu(pystray, Controller(), threading.Event())  # type: ignore[arg-type]
     defaults = [item.text for item in menu.items if item.default]
     assert defaults == ["Open dashboard"]
+    texts = [item.text for item in menu.items]
+    assert texts.index("Use it from your app") == texts.index("Open dashboard") + 1
 
 
 def test_each_backend_is_tried_in_turn_when_none_is_chosen():

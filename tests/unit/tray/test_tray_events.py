@@ -74,19 +74,20 @@ def wire(*events: tuple[str, dict[str, object]]) -> str:
 
 
 def test_a_state_event_recolours_and_notifies_at_once(tmp_path):
-    tray, messages = tray_for(f"http://127.0.0.1:{free_port()}", tmp_path)  # never asked
+    port = free_port()
+    tray, messages = tray_for(f"http://127.0.0.1:{port}", tmp_path)  # never asked
     parser = SseParser()
     text = wire(("sample", sample().model_dump(mode="json")),
                 ("state", {"state": "shedding", "t": 2.0}))
     first, second = parser.feed(text)
     deliver(first, tray)
     assert tray.wait_for_news(0) and tray.tooltip().startswith("vramguard: healthy, 38%")
-    assert not messages
+    assert messages == [f"vramguard is ready: 127.0.0.1:{port}"]  # the first reading
     deliver(second, tray)
     assert tray.wait_for_news(0)
     assert tray.icon(32).getpixel((16, 0)) == COLOURS["shedding"]
     assert "State: memory full, slowing down" in tray.lines()
-    assert len(messages) == 1 and "GPU memory is full" in messages[0]
+    assert len(messages) == 2 and "GPU memory is full" in messages[1]
     assert polls(tray) == 0
 
 

@@ -83,6 +83,8 @@ def error(status: int, code: str, message: str) -> httpx.Response:
 class Icon:
     """pystray's icon, as far as a menu action uses it."""
 
+    HAS_NOTIFICATION = True
+
     def __init__(self) -> None:
         self.said: list[str] = []
         self.menus = 0
