@@ -20,7 +20,7 @@ from typing import Any
 
 from tray.clicks import accept_clicks
 from tray.controller import TrayController
-from tray.text import MODELS_HEADING, USE_PAGE_ITEM
+from tray.text import MODELS_HEADING, SUPPORT_REPORT_ITEM, USE_PAGE_ITEM
 
 log = logging.getLogger("vramguard.tray")
 REFRESH_S = 1.0
@@ -174,6 +174,9 @@ def build_menu(pystray: ModuleType, controller: TrayController,
                          default=True),
         pystray.MenuItem(USE_PAGE_ITEM,
                          lambda icon: _say_problem(icon, controller.open_use_page())),
+        pystray.MenuItem(SUPPORT_REPORT_ITEM,
+                         lambda icon: _say(icon, controller.save_support_report()),
+                         enabled=lambda _item: not controller.down),
         pystray.MenuItem("Start server", lambda _icon: controller.ensure_server(),
                          visible=lambda _item: controller.down
                          and controller.start_server is not None),

@@ -114,7 +114,18 @@ class ApiClient:
             token = self._proven_token()
         if token is not None:
             headers["Authorization"] = f"Bearer {token}"
-        response = self._request(method, path, headers=headers)
+        response = self._checked(self._request(method, path, headers=headers))
+        try:
+            body = response.json()
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            raise RuntimeError(f"unexpected answer from {path}: {response.text[:200]}")
+        return body
+
+    @staticmethod
+    def _checked(response: httpx.Response) -> httpx.Response:
+        """The response, unless it is a refusal: ServerDown for 503, else Refused."""
         if response.status_code >= 400:
             try:
                 message = response.json()["error"]["message"]
@@ -123,13 +134,16 @@ class ApiClient:
             if response.status_code == 503:
                 raise ServerDown(message)
             raise Refused(message, response.status_code)
-        try:
-            body = response.json()
-        except ValueError:
-            body = None
-        if not isinstance(body, dict):
-            raise RuntimeError(f"unexpected answer from {path}: {response.text[:200]}")
-        return body
+        return response
+
+    def support_report(self) -> bytes:
+        """The support report's zip file (``/v1/support-report``), from the proven server."""
+        headers = {"Authorization": f"Bearer {self._proven_token()}"}
+        response = self._checked(self._request("GET", "/v1/support-report", headers=headers,
+                                               timeout=60))
+        if response.headers.get("content-type") != "application/zip":
+            raise RuntimeError("vramguard did not answer with a support report")
+        return response.content
 
     def sample(self) -> LiveSample:
         """Memory and queue figures in one sample (what the icon and menu show), read from

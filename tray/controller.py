@@ -23,6 +23,7 @@ import threading
 import time
 import webbrowser
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
@@ -35,8 +36,10 @@ from tray.client import ApiClient, NotVramguard, Refused, ServerDown
 from tray.dashboard import DashboardOpener
 from tray.event_stream import EventStream
 from tray.icon import draw_icon
+from tray.support_report import downloads_folder, save_report
 from tray.text import (
     READY,
+    SUPPORT_REPORT_SAVED,
     UNLOAD_BUSY,
     UNLOAD_GONE,
     UNLOADED,
@@ -233,6 +236,16 @@ class TrayController:
             return USE_PAGE_DOWN
         webbrowser.open(f"{self.client.base_url}/ui/use")
         return None
+
+    def save_support_report(self, folder: Path | None = None) -> str:
+        """Save the support report (default: in Downloads); what to tell the person."""
+        try:
+            path = save_report(self.client.support_report, folder or downloads_folder())
+        except (ServerDown, NotVramguard, RuntimeError, Refused) as exc:
+            return f"Could not save a support report: {exc}"
+        except OSError as exc:
+            return f"Could not save a support report: {exc.strerror or exc}"
+        return SUPPORT_REPORT_SAVED.format(path=path)
 
     def _act(self, action: Callable[[], dict[str, Any]],
              refusals: dict[int, str] | None = None) -> dict[str, Any] | str:

@@ -85,6 +85,9 @@ def menu_lines(sample: LiveSample | None) -> list[str]:
 
 MODELS_HEADING = "Models in memory:"
 USE_PAGE_ITEM = "Use it from your app"
+SUPPORT_REPORT_ITEM = "Save a support report"
+SUPPORT_REPORT_SAVED = ("Saved a support report to {path}. Attach it to your bug report: it "
+                        "holds the logs, the checks and the settings, not the admin token.")
 USE_PAGE_DOWN = "vramguard is not running, so it cannot show how to use it. Start it first."
 READY = "vramguard is ready: {address}"
 UNLOADED = ("{name} is no longer in memory ({size} freed). It loads again the next time an "

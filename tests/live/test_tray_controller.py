@@ -102,3 +102,18 @@ def test_run_without_a_display_serves_headless(tmp_path):
     with running(command, f"http://127.0.0.1:{port}/readyz", tmp_path / "run.log", env):
         pass
     assert "running without a tray icon" in (tmp_path / "run.log").read_text()
+
+
+def test_save_a_support_report_writes_a_new_zip_each_time(controller, tmp_path):
+    import zipfile
+
+    said = [controller.save_support_report(tmp_path), controller.save_support_report(tmp_path)]
+    saved = sorted(tmp_path.glob("vramguard-support-*.zip"))
+    assert len(saved) == 2, said  # the second of the same second does not overwrite
+    assert all(message.startswith("Saved a support report to ") for message in said)
+    with zipfile.ZipFile(saved[0]) as report:
+        assert "doctor.txt" in report.namelist()
+        token = controller.client.token_file.read_text().strip()
+        assert all(token.encode() not in report.read(name) for name in report.namelist())
+    assert controller.save_support_report(tmp_path / "missing").startswith(
+        "Could not save a support report: ")
