@@ -90,7 +90,15 @@ def too_busy_to_start() -> DeadlineExceeded:
 
 
 class NotReady(ApiError):
+    """vramguard itself is starting (or stopping, or failed to start)."""
+
     status, code = 503, "not_ready"
+
+
+class Loading(ApiError):
+    """The model asked for is being loaded; Retry-After says when it should be ready."""
+
+    status, code = 503, "loading"
 
 
 class Paused(ApiError):

@@ -24,8 +24,9 @@ class PredictionOut(BaseModel):
 class ClassifyResponse(BaseModel):
     model: str
     predictions: list[PredictionOut]
-    batch_size: int = Field(description="Images computed together with this one "
-                                        "(0 for a cached answer).")
+    batch_size: int | None = Field(description="Images computed together with this one; "
+                                   "null for an answer from the result cache (cached: true), "
+                                   "which no batch computed.")
     cached: bool
     timing_ms: dict[str, float]
 
@@ -35,8 +36,8 @@ class EmbedResponse(BaseModel):
     dimensions: int
     embedding: list[float] = Field(description="Penultimate-layer features, L2-normalised: "
                                    "the dot product of two is their cosine similarity.")
-    batch_size: int = Field(description="Images computed together with this one (0 when "
-                            "it came from the result cache).")
+    batch_size: int | None = Field(description="Images computed together with this one; "
+                                   "null when it came from the result cache (cached: true).")
     cached: bool
     timing_ms: dict[str, float]
 
@@ -84,6 +85,10 @@ class ModelOut(BaseModel):
     batch_fit: BatchFitOut | None = None
     profile_reused: bool | None = Field(None, description="Whether its last load reused a "
                                         "stored profile instead of measuring.")
+    profile_complete: bool | None = Field(None, description="False while the batch sizes "
+                                          "beyond 1 are still being measured in the "
+                                          "background (a model loaded while serving); until "
+                                          "then it runs one image per batch.")
     warmup_seconds: float | None = None
     warmup: list[BatchTimingOut] = Field(default_factory=list)
 
@@ -93,8 +98,10 @@ class ModelsResponse(BaseModel):
 
 
 class ErrorBody(BaseModel):
-    code: str
-    message: str
+    code: str = Field(description="Stable, for programs: e.g. 503 overloaded (busy: "
+                      "Retry-After), loading (the model asked for is being loaded: "
+                      "Retry-After), not_ready (vramguard itself is starting).")
+    message: str = Field(description="For a person.")
 
 
 class ErrorResponse(BaseModel):
@@ -145,25 +152,39 @@ class MemoryReport(BaseModel):
     device: str
     source: str = Field(description="Where device figures come from: nvml, torch or system.")
     nvml: bool = Field(description="Whether NVIDIA's management library is answering.")
-    total_bytes: int = Field(description="Memory of the whole device.")
+    total_bytes: int = Field(description="GPU memory: all the memory of the device (without "
+                                         "a GPU: of the computer).")
     used_bytes: int = Field(description="Memory in use on the device, all programs.")
-    free_bytes: int
-    allocated_bytes: int = Field(description="Bytes held by live tensors.")
-    reserved_bytes: int = Field(description="Bytes held by PyTorch's allocator.")
+    free_bytes: int = Field(description="Free: device memory no program uses.")
+    allocated_bytes: int = Field(description="Bytes held by live tensors (Models, Images in "
+                                             "progress, workspaces); reserved_bytes less "
+                                             "this is the GPU cache.")
+    reserved_bytes: int = Field(description="Bytes PyTorch holds: what is used plus the GPU "
+                                            "cache (memory it keeps to reuse, which Empty "
+                                            "GPU cache gives back).")
     peak_allocated_bytes: int
-    peak_reserved_bytes: int
-    others_bytes: int = Field(description="Memory other programs hold on the device.")
-    weights_bytes: int
+    peak_reserved_bytes: int = Field(description="Peak: the most vramguard held (Models, "
+                                                 "Images in progress and GPU cache) since it "
+                                                 "started or since Reset peak.")
+    others_bytes: int = Field(description="Other programs: what they use of the GPU memory.")
+    weights_bytes: int = Field(description="Models: what the loaded models take.")
     overhead_bytes: int = Field(description="Device memory not held by PyTorch at warmup "
                                             "(context, libraries, other programs).")
     configured_budget_bytes: int
-    budget_bytes: int = Field(description="Budget for images in flight, after others' use.")
-    low_watermark_bytes: int
-    high_watermark_bytes: int
-    usage_bytes: int = Field(description="Use the watermarks are compared with.")
+    budget_bytes: int = Field(description="Room for images: the Limit (what Models and "
+                                          "Images in progress may take together) less "
+                                          "Models, after other programs' use.")
+    low_watermark_bytes: int = Field(description="The Getting full line, in Images in "
+                                                 "progress: above it the state is high.")
+    high_watermark_bytes: int = Field(description="The Full line, in Images in progress: "
+                                                  "above it new images wait (shedding).")
+    usage_bytes: int = Field(description="Images in progress: what the images being worked "
+                                         "on take right now.")
     state: GuardState
-    fixed_bytes: int = Field(description="c: memory of a batch that does not grow with it.")
-    bytes_per_sample: int = Field(description="k: memory per image, now (raised by OOMs).")
+    fixed_bytes: int = Field(description="Memory per batch (c): what a batch takes whatever "
+                                         "its size.")
+    bytes_per_sample: int = Field(description="Memory per image (k): what one more image in "
+                                              "a batch takes, now (raised by OOMs).")
     profiled_bytes_per_sample: int = Field(description="k as measured at warmup.")
     profile_points: list[ProfilePoint]
     max_batch_now: int = Field(description="Images that fit in a batch right now.")
@@ -201,6 +222,31 @@ class MemoryReport(BaseModel):
                                       "sum).")
 
 
+class ServingFigures(BaseModel):
+    """What was served, for one model or all of them, over the last moments."""
+
+    images_per_s: float = Field(description="Images answered per second, over the last "
+                                "rate_s seconds.")
+    answers: int = Field(description="Images answered in the last window_s seconds.")
+    p50_ms: float | None = Field(description="Median answer time over the last window_s "
+                                 "seconds, to within 5 %; null without answers.")
+    p95_ms: float | None = Field(description="95th percentile of the answer time, likewise.")
+    refused: dict[str, int] = Field(description="Images refused in the last window_s "
+                                    "seconds, by reason: rate_limited, overloaded, "
+                                    "bad_input, insufficient_memory, other.")
+    refused_per_s: dict[str, float] = Field(description="The same per second, over the "
+                                            "last rate_s seconds.")
+
+
+class ServingReport(BaseModel):
+    """The serving of the last moments: in total and per model (those that had requests)."""
+
+    window_s: float
+    rate_s: float
+    total: ServingFigures
+    models: dict[str, ServingFigures]
+
+
 class LiveSample(MemoryReport):
     """One ``sample`` event of ``GET /v1/events``: the memory report with queue figures."""
 
@@ -212,3 +258,5 @@ class LiveSample(MemoryReport):
     paused: bool
     requests: dict[str, int]
     rate_limited: int
+    serving: ServingReport | None = Field(None, description="Images per second, answer "
+                                          "times and refusals of the last minute.")

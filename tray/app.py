@@ -18,6 +18,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from app.vocabulary import EMPTY_GPU_CACHE
 from tray.clicks import accept_clicks
 from tray.controller import TrayController
 from tray.text import MODELS_HEADING, SUPPORT_REPORT_ITEM, USE_PAGE_ITEM
@@ -162,7 +163,7 @@ def build_menu(pystray: ModuleType, controller: TrayController,
     readings = tuple(line(i) for i in range(MENU_LINES))
     actions = (
         pystray.Menu.SEPARATOR,
-        pystray.MenuItem("Empty cache", lambda icon: _say(icon, controller.empty_cache()),
+        pystray.MenuItem(EMPTY_GPU_CACHE, lambda icon: _say(icon, controller.empty_cache()),
                          enabled=lambda _item: not controller.down),
         pystray.MenuItem("Reset peak", lambda icon: _say(icon, controller.reset_peak()),
                          enabled=lambda _item: not controller.down),

@@ -6,48 +6,57 @@ from dataclasses import dataclass
 
 from app.schemas import LiveSample
 from app.units import human_bytes
+from app.vocabulary import (
+    GPU_CACHE,
+    IMAGES,
+    LIMIT,
+    MODELS,
+    PEAK,
+    ROOM_FOR_IMAGES,
+    STATE_WORDS,
+    USED,
+)
 from tray.icon import Gauge
 
 TOOLTIP_LIMIT = 127  # Windows truncates tray tooltips beyond this
-STATE_WORDS = {
-    "ok": "healthy",
-    "high": "memory getting full",
-    "shedding": "memory full, slowing down",
-    "down": "not running",
-}
 
 
 def _share(part: float, whole: float) -> float:
     return part / whole if whole > 0 else 1.0
 
 
-def _peak(sample: LiveSample) -> int:
-    """The highest the allocator held for images (weights left out)."""
-    return max(0, sample.peak_reserved_bytes - sample.weights_bytes)
+def _limit(sample: LiveSample) -> int:
+    """The Limit: what Models and Images in progress may take together."""
+    return sample.weights_bytes + sample.budget_bytes
+
+
+def _used(sample: LiveSample) -> int:
+    return sample.weights_bytes + sample.usage_bytes
 
 
 def gauge_of(sample: LiveSample | None) -> Gauge:
-    """The icon's gauge from a live sample; None means down."""
+    """The icon's gauge from a live sample, in shares of the Limit; None means down."""
     if sample is None:
         return Gauge(0.0, 0.0, 0.75, 0.9, "down")
-    budget = sample.budget_bytes
+    limit = _limit(sample)
     return Gauge(
-        used=min(1.0, _share(sample.usage_bytes, budget)),
-        peak=min(1.0, _share(_peak(sample), budget)),
-        low=_share(sample.low_watermark_bytes, budget),
-        high=_share(sample.high_watermark_bytes, budget),
+        used=min(1.0, _share(_used(sample), limit)),
+        peak=min(1.0, _share(sample.peak_reserved_bytes, limit)),
+        low=_share(sample.weights_bytes + sample.low_watermark_bytes, limit),
+        high=_share(sample.weights_bytes + sample.high_watermark_bytes, limit),
         state=sample.state.value)
 
 
 def tooltip(sample: LiveSample | None) -> str:
-    """e.g. 'vramguard: healthy, 38% of budget, peak 61%, GPU 40% busy' (at most 127
-    characters; the GPU part only where NVML reports it)."""
+    """e.g. 'vramguard: healthy, 38% of the limit used, peak 61%, GPU 40% busy' (at most
+    127 characters; the GPU part only where NVML reports it)."""
     gauge = gauge_of(sample)
     if sample is None:
         text = "vramguard: not running"
     else:
         text = (f"vramguard: {STATE_WORDS.get(gauge.state, gauge.state)}, "
-                f"{gauge.used:.0%} of budget, peak {gauge.peak:.0%}")
+                f"{gauge.used:.0%} of the {LIMIT.name.lower()} used, "
+                f"{PEAK.name.lower()} {gauge.peak:.0%}")
         if sample.gpu_utilization_ratio is not None:
             text += f", GPU {sample.gpu_utilization_ratio:.0%} busy"
         if sample.paused:
@@ -56,18 +65,22 @@ def tooltip(sample: LiveSample | None) -> str:
 
 
 def menu_lines(sample: LiveSample | None) -> list[str]:
-    """The live, read-only lines at the top of the tray menu."""
+    """The live, read-only lines at the top of the tray menu, in the names of
+    ``app/vocabulary.py``."""
     if sample is None:
         return ["vramguard is not running"]
     gauge = gauge_of(sample)
-    budget = sample.budget_bytes
-    used = human_bytes(sample.usage_bytes)
+    limit = _limit(sample)
+    used = human_bytes(_used(sample))
+    gpu_cache = max(0, sample.reserved_bytes - sample.allocated_bytes)
     lines = [
-        f"Used: {used} of {human_bytes(budget)} budget ({gauge.used:.0%})" if budget > 0 else
-        f"Used: {used}; no budget left (other programs hold the GPU memory)",
-        f"Peak: {human_bytes(_peak(sample))} ({gauge.peak:.0%})",
-        f"Reserved {human_bytes(sample.reserved_bytes)}, "
-        f"in use {human_bytes(sample.allocated_bytes)}",
+        f"{USED.name}: {used} of the {human_bytes(limit)} {LIMIT.name.lower()} "
+        f"({gauge.used:.0%})" if sample.budget_bytes > 0 else
+        f"{USED.name}: {used}; no {ROOM_FOR_IMAGES.name.lower()} left (other programs "
+        "hold the GPU memory)",
+        f"{MODELS.name} {human_bytes(sample.weights_bytes)}, {IMAGES.name.lower()} "
+        f"{human_bytes(sample.usage_bytes)}, {GPU_CACHE.name} {human_bytes(gpu_cache)}",
+        f"{PEAK.name}: {human_bytes(sample.peak_reserved_bytes)} ({gauge.peak:.0%})",
         f"State: {STATE_WORDS.get(gauge.state, gauge.state)}",
         f"Waiting: {sample.queue_depth}, batch up to {sample.max_batch_now}",
     ]
@@ -157,6 +170,6 @@ class Notifier:
             return None
         self._warned = state
         if state == "shedding":
-            return ("GPU memory is full: vramguard is slowing down to stay safe. Closing "
-                    "other programs that use the graphics card will help.")
-        return "GPU memory is getting full. vramguard will slow down if it keeps rising."
+            return ("vramguard's memory is full: new images wait until others finish. "
+                    "Closing other programs that use the graphics card will help.")
+        return "vramguard's memory is getting full: new images will wait if it keeps rising."

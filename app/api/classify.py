@@ -38,6 +38,6 @@ def classification(served: Served, top_k: int) -> ClassifyResponse:
         predictions=[PredictionOut(label=labels[int(i)], index=int(i), score=float(s))
                      for i, s in zip(top.indices, top.scores, strict=True)],
         batch_size=served.batch_size,
-        cached=served.batch_size == 0,
+        cached=served.batch_size is None,
         timing_ms=served.timing_ms(),
     )

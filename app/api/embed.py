@@ -30,5 +30,5 @@ async def embed(
     assert vector is not None
     return EmbedResponse(model=served.model.name, dimensions=len(vector),
                          embedding=[round(float(v), 7) for v in vector],
-                         batch_size=served.batch_size, cached=served.batch_size == 0,
+                         batch_size=served.batch_size, cached=served.batch_size is None,
                          timing_ms=served.timing_ms())

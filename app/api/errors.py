@@ -30,7 +30,7 @@ def validation_message(exc: RequestValidationError) -> str:
 
 def _answer(request: Request, error: ApiError,
             headers: Mapping[str, str] | None = None) -> JSONResponse:
-    state_of(request).stats.count(error.code)
+    state_of(request).stats.failed(error.code, request.scope)
     response = error_response(error, request.scope["path"])
     response.headers.update(headers or {})
     return response

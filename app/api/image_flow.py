@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
-from contextlib import suppress
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -24,7 +24,15 @@ from starlette.datastructures import UploadFile
 
 from app.engine.lanes import Reservation
 from app.engine.predictor import CLASSIFY, EMBED, Ranked, Sample, numerics
-from app.errors import BadRequest, ClientGone, UnsupportedMediaType, too_busy_to_start
+from app.errors import (
+    BadRequest,
+    ClientGone,
+    DeadlineExceeded,
+    Loading,
+    Overloaded,
+    UnsupportedMediaType,
+    too_busy_to_start,
+)
 from app.gates.body_limit import body_done
 from app.http.state import AppState, state_of
 from app.imaging.result_cache import cache_key
@@ -74,7 +82,7 @@ class Served:
     model: LoadedModel
     ranked: Ranked | None
     embedding: np.ndarray | None
-    batch_size: int  # 0: from the result cache
+    batch_size: int | None  # None: from the result cache (no batch computed it)
     read_and_decode_s: float
     total_s: float
 
@@ -165,7 +173,8 @@ async def answer(request: Request, model: LoadedModel, prepared: Prepared, place
     engine = state.engine
     key, found = prepared
     prepared_at = time.perf_counter()
-    batch_size, ranked, embedding = 0, None, None
+    batch_size: int | None = None
+    ranked, embedding = None, None
     if isinstance(found, Ranked):
         ranked = found
     elif isinstance(found, np.ndarray):
@@ -179,25 +188,61 @@ async def answer(request: Request, model: LoadedModel, prepared: Prepared, place
         prediction = await (unless_disconnected(request, work) if watch else work)
         batch_size, ranked = prediction.batch_size, prediction.ranked
         embedding = prediction.embedding
-    if key is not None and state.cache is not None and batch_size:
+    if key is not None and state.cache is not None and batch_size is not None:
         if embedding is not None:
             await state.pool.run(state.cache.put_embedding, key, embedding)
         elif ranked is not None:
             await state.pool.run(state.cache.put, key, ranked)
-    outcome = "ok" if batch_size else "cached"
-    state.stats.count(outcome)
+    outcome = "cached" if batch_size is None else "ok"
+    total_s = time.perf_counter() - started
+    state.stats.answered(model.name, outcome, total_s)
     engine.count(model.name, outcome)
-    return Served(model, ranked, embedding, batch_size, prepared_at - started,
-                  time.perf_counter() - started)
+    return Served(model, ranked, embedding, batch_size, prepared_at - started, total_s)
 
 
 async def find_model(state: AppState, name: str | None,
                      keep_alive_s: float | None = None) -> LoadedModel:
     """The model ``name`` (default: --model), unless an admin has paused the appliance:
-    loaded, or loaded now, waiting up to ``request_timeout_s``."""
+    loaded, or loaded now, waiting up to ``request_timeout_s`` (then 503 ``loading``)."""
     state.engine.require_unpaused()
     return (await state.engine.acquire(name, state.settings.request_timeout_s,
                                        keep_alive_s)).model
+
+
+def just_loaded(name: str) -> Loading:
+    return Loading(f"The model {name} has just been loaded, which took this request's "
+                   "time; try again now.", retry_after=1)
+
+
+def admit_after(state: AppState, model: LoadedModel, deadline: float,
+                waited_for_load: bool) -> Reservation:
+    """The first place in line of a request; one that spent its time waiting for the model
+    to load and has too little left is told ``loading`` (come back now), not
+    ``overloaded``: the line is not why."""
+    try:
+        return state.engine.admit(max(0.0, deadline - time.monotonic()), model.name)
+    except Overloaded:
+        if not waited_for_load:
+            raise
+        raise just_loaded(model.name) from None
+
+
+@contextmanager
+def in_time_left_by_load(name: str, waited_for_load: bool) -> Iterator[None]:
+    """A request whose deadline passes after it waited for ``name`` to load is told
+    ``loading`` (come back now) rather than ``deadline_exceeded``: the load took its time
+    (the model's first batch can also wait behind a measuring pass of it)."""
+    try:
+        yield
+    except DeadlineExceeded:
+        if not waited_for_load:
+            raise
+        raise just_loaded(name) from None
+
+
+def is_loaded(state: AppState, name: str | None) -> bool:
+    """Whether ``name`` (default: --model) is loaded now (else a request waits for it)."""
+    return (name or state.settings.model) in state.engine.runtimes
 
 
 async def serve_in_place(request: Request, model: LoadedModel, place: Reservation,
@@ -226,12 +271,14 @@ async def serve_image(request: Request, model: str | None, keep_alive_s: float |
     state = state_of(request)
     started = time.perf_counter()
     deadline = time.monotonic() + state.settings.request_timeout_s
+    waits = not is_loaded(state, model)
     loaded = await find_model(state, model, keep_alive_s)
     if task == EMBED and not loaded.feature_dim:
         raise BadRequest(f"The model {loaded.name} cannot give image features (it has no "
                          "final linear layer to take them from); use an EfficientNet-Lite "
                          "model.")
-    with state.engine.admit(max(0.0, deadline - time.monotonic()), loaded.name) as place:
+    with admit_after(state, loaded, deadline, waits) as place, \
+            in_time_left_by_load(loaded.name, waits):
         return await serve_in_place(request, loaded, place, await read_upload(request),
                                     Ask(task, top_k), deadline, started,
                                     decoded=lambda: body_done(request.scope))

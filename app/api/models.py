@@ -39,6 +39,7 @@ def _loaded(model: ModelFigures) -> dict[str, object]:
             a_ms=round(fit.a_s * 1000, 3), b_ms=round(fit.b_s * 1000, 3),
             observations=fit.observations),
         "profile_reused": model.profile_reused,
+        "profile_complete": model.profile_complete,
         "warmup_seconds": round(model.warmup_seconds, 3),
         "warmup": [BatchTimingOut(batch_size=t.batch_size,
                                   latency_ms=round(t.seconds * 1000, 2),

@@ -34,6 +34,7 @@ from app.api.oip_codec import (
 )
 from app.api.oip_infer import VERSION, serve_inference
 from app.engine.engine import InferenceEngine
+from app.engine.runtime import still_loading, unknown_model
 from app.engine.view import EngineView
 from app.errors import ApiError, BadRequest, NotFound, NotReady
 from app.gates import error_response
@@ -161,11 +162,6 @@ def _require_serving(view: EngineView) -> None:
     view.require_unpaused()
 
 
-def _unknown(name: str) -> NotFound:
-    return NotFound(f"There is no model called '{name}' on this computer. GET /v1/models "
-                    "lists the models this vramguard can load.")
-
-
 @dataclass(frozen=True)
 class _Facts:
     crop: int
@@ -177,7 +173,7 @@ def _facts(engine: InferenceEngine, name: str) -> _Facts:
     """What is known of a model without loading it: everything once loaded, else what the
     catalogue says (ImageNet's classes; the feature length only the loaded model gives)."""
     if not engine.knows(name):
-        raise _unknown(name)
+        raise unknown_model(name)
     view = engine.view()
     loaded = view.models.get(name)
     if loaded is None:
@@ -204,15 +200,18 @@ def _metadata(state: AppState, name: str) -> ModelMetadata:
 
 def _ready(request: Request, name: str, version: str) -> Response:
     """200 when an inference request would be served now: loaded, or in the catalogue with
-    its weights here (the request loads it). Answered, not raised, like /readyz."""
+    its weights here (the request loads it); 503 while it is being loaded, as an inference
+    request that waits past its deadline is told. Answered, not raised, like /readyz."""
     engine = state_of(request).engine
     try:
         _check_version(name, version)
         if not engine.knows(name):
-            raise _unknown(name)
+            raise unknown_model(name)
         view = engine.view()
         _require_serving(view)
         loaded = name in view.models
+        if name in view.loading and not loaded:
+            raise still_loading(name, engine.loader.times.seconds_left(name))
         if not loaded:
             entry = next((e for e in catalogue() if e.name == name), None)
             if entry is None:

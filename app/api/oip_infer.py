@@ -17,7 +17,10 @@ from app.api.image_flow import (
     Ask,
     Image,
     Served,
+    admit_after,
     find_model,
+    in_time_left_by_load,
+    is_loaded,
     serve_in_place,
     unless_disconnected,
 )
@@ -75,9 +78,11 @@ async def serve_inference(request: Request, name: str) -> Response:
     engine = state.engine
     started = time.perf_counter()
     deadline = time.monotonic() + state.settings.request_timeout_s
+    waits = not is_loaded(state, name)
     model = await find_model(state, name)
     with ExitStack() as places:
-        first = places.enter_context(engine.admit(_left(deadline), model.name))
+        first = places.enter_context(admit_after(state, model, deadline, waits))
+        places.enter_context(in_time_left_by_load(model.name, waits))
         body = await _read_body(request)
         parsed = await state.pool.run_before(deadline, parse_request, body,
                                              request.headers.get(HEADER_LENGTH),

@@ -238,7 +238,7 @@ class StreamRun:
                                                      "The details are in its log."))
         if "error" in line:
             self.failed += 1
-            self.state.stats.count(line["error"]["code"])
+            self.state.stats.failed(line["error"]["code"], self.request.scope)
         await self.lines.write(line)
 
     async def _serve(self, part: Part, model: LoadedModel, place: Reservation,

@@ -1,4 +1,5 @@
-"""The dashboard page and its one-time-link sign-in."""
+"""The dashboard page and its one-time-link sign-in (what a session may do:
+``app/gates/ui_session.py``)."""
 
 from __future__ import annotations
 
@@ -27,9 +28,10 @@ class Code(BaseModel):
 
 
 # frame-ancestors 'none' (and X-Frame-Options for older browsers): no other page may show
-# the dashboard in a frame and trick the user into clicking its buttons.
+# the dashboard in a frame and trick the user into clicking its buttons. img-src blob: lets
+# the dashboard show the photo a person tried, read from their own disk.
 POLICY = ("default-src 'self'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
-          "frame-ancestors 'none'")
+          "img-src 'self' blob:; frame-ancestors 'none'")
 
 
 @router.get("/ui", response_class=HTMLResponse, summary="Live dashboard")
@@ -40,8 +42,8 @@ async def dashboard() -> HTMLResponse:
 
 
 @router.post("/v1/admin/ui-link", dependencies=[Depends(require_admin)],
-             summary="A one-time code (and link) that opens the dashboard with its "
-             "Empty-cache and Reset-peak buttons (admin token only)")
+             summary="A one-time code (and link) that opens the dashboard with the tray "
+             "menu's actions (admin token only)")
 async def ui_link(request: Request) -> dict[str, str]:
     """The tray builds the link itself from ``code`` (never taking a URL from a server);
     ``url`` is for scripts."""

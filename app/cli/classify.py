@@ -14,7 +14,10 @@ show no result before the last file is uploaded.
 
 Results go to stdout as they arrive (a line, a JSON object or a CSV row per image), a
 progress bar to stderr. Answers the server says are worth another try (busy, rate
-limited, still starting) are sent again in a later stream, after the wait it asked for.
+limited, still starting) are sent again in a later stream, after the wait it asked for; a
+model still being loaded (``loading``) is waited for, up to ``LOADING_WAIT_S``, without
+using up those tries. An answer that is not vramguard's (another program on the port)
+ends the run, saying what answered.
 Files that cannot be read are reported on stderr and skipped; Ctrl-C stops at once
 (the server withdraws what it had queued) and prints what was done.
 """
@@ -25,6 +28,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import re
 import secrets
 import sys
 import time
@@ -46,6 +50,7 @@ from rich.progress import (
 from vramguard_client import (
     DeadlineExceeded,
     InsufficientMemory,
+    Loading,
     NotReady,
     Overloaded,
     RateLimited,
@@ -59,9 +64,13 @@ from app.cli.temporary_server import StartFailed, TemporaryServer, answers
 IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif",
                             ".tiff", ".jfif"})
 RETRIED = frozenset(c.code for c in (RateLimited, Overloaded, DeadlineExceeded, NotReady,
-                                     InsufficientMemory)) | {"connection_lost"}
+                                     Loading, InsufficientMemory)) | {"connection_lost"}
 """What the client package retries; here the images are sent again in a later stream."""
 ROUNDS = 4  # the first stream and three more for the images worth another try
+LOADING_WAIT_S = 300.0  # how long a model being loaded is waited for (a large model, a
+# busy computer), its refusals not counted as rounds
+STREAM_TYPES = (b"application/x-ndjson", b"text/event-stream")
+TITLE = re.compile(rb"<title[^>]*>([^<]{1,120})", re.IGNORECASE)
 STREAM_FILES = 1000  # files per stream request (and below, bytes): well under the
 STREAM_BYTES = 512 * 1024**2  # server's max_stream_bytes (2 GiB by default)
 CLIENT_ID = "vramguard-classify"  # its own rate bucket: other local apps keep theirs
@@ -124,10 +133,17 @@ class Round:
 
     again: list[Path] = field(default_factory=list)
     wait_s: float = 0.0
+    codes: set[str] = field(default_factory=set)  # why they are sent again
 
-    def retry(self, paths: Sequence[Path], wait_s: float | None) -> None:
+    def retry(self, paths: Sequence[Path], wait_s: float | None, code: str) -> None:
         self.again += paths
         self.wait_s = max(self.wait_s, wait_s or 1.0)
+        self.codes.add(code)
+
+    @property
+    def loading(self) -> bool:
+        """Whether every image to send again waits for its model's load only."""
+        return self.codes == {Loading.code}
 
 
 class Streamer:
@@ -191,7 +207,7 @@ class Streamer:
         if "result" in line:
             self.on_result(path, line["result"])
         elif line["error"]["code"] in RETRIED and not last_try:
-            outcome.retry([path], line["error"].get("retry_after"))
+            outcome.retry([path], line["error"].get("retry_after"), line["error"]["code"])
         else:
             self.on_failure(path, line["error"])
 
@@ -222,14 +238,16 @@ class Streamer:
         """The answer's JSON lines; for an answer that is not a stream, Fatal, or an error
         line that has its images sent again."""
         status, pending, body = 0, b"", b""
-        retry_after: bytes | None = None
+        headers: dict[bytes, bytes] = {}
         while True:
             event = conn.next_event()
             if event is h11.NEED_DATA:
                 conn.receive_data(await reader.read(65536))
             elif isinstance(event, h11.Response):
-                status = event.status_code
-                retry_after = dict(event.headers).get(b"retry-after")
+                status, headers = event.status_code, dict(event.headers)
+                if status == 200 and not headers.get(b"content-type", b"").startswith(
+                        STREAM_TYPES):
+                    status = -status  # read as the error answer it is
             elif isinstance(event, h11.Data) and status == 200:
                 pending += event.data
                 *complete, pending = pending.split(b"\n")
@@ -241,15 +259,32 @@ class Streamer:
             elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
                 break
         if status != 200:
-            try:
-                error = json.loads(body)["error"]
-            except (ValueError, KeyError, TypeError):
-                error = {"code": "unexpected_response",
-                         "message": f"HTTP {status}: {body[:200]!r}"}
+            error = self._error(abs(status), headers, body)
             if error.get("code") not in RETRIED:
                 raise Fatal(f"vramguard refused the images: {error.get('message')}",
                             status=2 if status in (400, 404) else 1)
-            yield {"error": {**error, "retry_after": float(retry_after or 1)}}
+            yield {"error": {**error, "retry_after": float(headers.get(b"retry-after") or 1)}}
+
+    def _error(self, status: int, headers: dict[bytes, bytes], body: bytes) -> dict[str, Any]:
+        """vramguard's error (``{"error": {"code", "message"}}``); Fatal, saying what
+        answered, for any other answer."""
+        try:
+            error = json.loads(body)["error"]
+            if isinstance(error, dict) and isinstance(error.get("code"), str):
+                return error
+        except (ValueError, KeyError, TypeError):
+            pass
+        kind = headers.get(b"content-type", b"").split(b";")[0].decode("latin-1").strip()
+        title = TITLE.search(body)
+        what = (f"a web page titled \"{title.group(1).decode('utf-8', 'replace').strip()}\""
+                if title else "a web page" if kind == "text/html"
+                else f"a {kind} answer" if kind else "an answer")
+        server = headers.get(b"server", b"").decode("latin-1")[:60]
+        raise Fatal(f"the program answering at {self.url.geturl()} is not vramguard: it "
+                    f"answered HTTP {status} with {what}"
+                    f"{f' (it calls itself {server!r})' if server else ''}. Check the "
+                    "address given with --url (vramguard's is printed when it starts, "
+                    "default http://127.0.0.1:8765).")
 
 
 def run_classify(args: argparse.Namespace) -> int:
@@ -338,10 +373,13 @@ async def _tag(args: argparse.Namespace, url: str, paths: list[Path], tally: Tal
              **({"embed": "true"} if args.embed else {})}
     streamer = Streamer(url, query, result, failure, skip)
     for batch in batches(paths):
-        todo = batch
-        for attempt in range(ROUNDS):
-            outcome = await streamer.send(todo, last_try=attempt == ROUNDS - 1)
+        todo, rounds = batch, 0
+        load_by = time.monotonic() + LOADING_WAIT_S
+        while True:
+            outcome = await streamer.send(todo, last_try=rounds == ROUNDS - 1)
             if not outcome.again:
                 break
             todo = outcome.again
+            if not (outcome.loading and time.monotonic() + outcome.wait_s < load_by):
+                rounds += 1
             await asyncio.sleep(min(outcome.wait_s, 30.0))

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from app.config import Settings
 from app.engine.system_checks import Check, Checks, system_checks
+from app.vocabulary import GPU_CACHE, LIMIT, PER_BATCH, PER_IMAGE, ROOM_FOR_IMAGES
 
 
 def _print(check: Check) -> None:
@@ -41,28 +42,27 @@ def run_doctor(settings: Settings, config_file: Path) -> int:
     fit = runtime.memory.fit
     line("batch size", f"{engine.batcher.max_batch} "
          f"({runtime.warmup.throughput_at(engine.batcher.max_batch):.1f} images/s at warmup)")
-    line("memory per batch", f"{human_bytes(fit.fixed_bytes)} + "
-         f"{human_bytes(fit.bytes_per_sample)} per image (measured at warmup)")
+    line(PER_BATCH.name.lower(), f"{human_bytes(fit.fixed_bytes)}, "
+         f"{PER_IMAGE.name.lower()} {human_bytes(fit.bytes_per_sample)} (measured at warmup)")
     reading, probe = runtime.probe.read(), runtime.probe
-    line("allocator cache", cache_verdict(reading.device, reading.allocated, reading.reserved))
+    line(GPU_CACHE.name, cache_verdict(reading.device, reading.allocated, reading.reserved))
     line("leak check", leak_check_verdict(not isinstance(probe, CpuProbe) or probe.tracker
                                           is not None, settings.idle_release_s or IDLE_PERIOD_S))
-    print("   budget:")
+    print(f"   {LIMIT.name.lower()} and {ROOM_FOR_IMAGES.name.lower()}:")
     for text in runtime.guard.budget.lines():
         print(f"     {text}")
     room = runtime.guard.budget.room
-    line("room for models", f"{human_bytes(room)} for the weights of every loaded model "
-         f"and the batch in flight; {runtime.model.name} takes "
-         f"{human_bytes(needed([runtime.footprint]))}, leaving "
-         f"{human_bytes(max(0, room - needed([runtime.footprint])))} for other models "
-         "(idle ones are unloaded when a request needs the room)")
+    line(LIMIT.name.lower(), f"{human_bytes(room)} for models and images together; "
+         f"{runtime.model.name} takes {human_bytes(needed([runtime.footprint]))} with its "
+         f"largest batch, leaving {human_bytes(max(0, room - needed([runtime.footprint])))} "
+         "for other models (idle ones are unloaded when a request needs the room)")
     entries = catalogue()
     line("models", ", ".join(e.name for e in entries if e.installed))
     for entry in entries:
         if not entry.installed:
             line(f"  {entry.name}", f"cannot load: {entry.note}", ok=False)
     if runtime.guard.budget_bytes < fit.peak(1):
-        line("budget", "too small for even one image: close programs that use the GPU, or "
-             "raise memory_fraction", ok=False)
+        line(ROOM_FOR_IMAGES.name.lower(), "too small for even one image: close programs "
+             "that use the GPU, or raise memory_fraction", ok=False)
     print("all checks passed" if not checks.problems else f"{checks.problems} problem(s) found")
     return 1 if checks.problems else 0

@@ -12,7 +12,9 @@ wait window lets a batch fill up, counted from its FIRST arrival (not from
 when the thread looks), so no request waits longer than the window.
 
 Everything that touches the device - loading, warmup, every forward pass -
-runs on this thread: ``call`` hands it arbitrary work between batches.
+runs on this thread: ``call`` hands it arbitrary work between batches, before the next
+one; ``when_idle`` hands it background work in short steps, each run when nothing else
+waits or after a batch, so batches and background steps alternate under load.
 
 A request is admitted before its image is even read (``reserve``): when the images
 already admitted would keep its answer past its deadline, it is refused at once, so a
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 import threading
 import time
 from collections import deque
@@ -42,15 +43,14 @@ from app.engine.lanes import (
     fail,
     in_turn,
     predicted_wait,
+    run_batch,
     run_call,
-    without_traceback,
 )
 from app.errors import DeadlineExceeded, Overloaded
 
 P = TypeVar("P")
 R = TypeVar("R")
 T = TypeVar("T")
-log = logging.getLogger("vramguard.engine")
 MEMORY_POLL_S = 0.05
 # An admitted image must be predicted to be answered within this share of its time: the
 # rest absorbs its reading and decoding and the swings of the measured rate, so that
@@ -91,6 +91,8 @@ class MicroBatcher(Generic[P, R]):
         self._lanes: dict[str, Lane[P, R]] = {}
         self._turns = itertools.count(1)
         self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
+        self._idle: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
+        self._idle_owed = False  # a batch has run since the last background step
         self._cond = threading.Condition()
         self._stopping = False
         self.stats = BatcherStats()  # every lane's batches together
@@ -253,11 +255,20 @@ class MicroBatcher(Generic[P, R]):
 
     def call(self, fn: Callable[[], T]) -> Future[T]:
         """Run ``fn`` on the device thread between batches (loading, warmup, cache release)."""
+        return self._enqueue(self._calls, fn)
+
+    def when_idle(self, fn: Callable[[], T]) -> Future[T]:
+        """As ``call``, for background work: ``fn`` runs when no call waits, once no batch
+        waits or a batch has run since the last such step (one short step each)."""
+        return self._enqueue(self._idle, fn)
+
+    def _enqueue(self, calls: deque[tuple[Callable[[], Any], Future[Any]]],
+                 fn: Callable[[], T]) -> Future[T]:
         future: Future[T] = Future()
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the device thread is stopping")
-            self._calls.append((fn, future))
+            calls.append((fn, future))
             self._cond.notify_all()
         return future
 
@@ -266,12 +277,15 @@ class MicroBatcher(Generic[P, R]):
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._has_work() and not self._calls and not self._stopping:
+                while (not self._has_work() and not self._calls and not self._idle
+                       and not self._stopping):
                     self._cond.wait()
                 if self._calls:
                     call = self._calls.popleft()
                 elif self._stopping:
                     return
+                elif self._idle and (self._idle_owed or not self._has_work()):
+                    call, self._idle_owed = self._idle.popleft(), False
                 else:
                     call = None
                     lane, batch, dropped = self._next_batch()
@@ -283,7 +297,8 @@ class MicroBatcher(Generic[P, R]):
             for item, error in dropped:
                 fail(item, error)
             if batch and lane is not None:
-                self._run(lane, batch)
+                run_batch(lane, batch, (self.stats, lane.stats), self._clock)
+                self._idle_owed = True
 
     def _has_work(self) -> bool:
         return any(lane.queue for lane in self._lanes.values())
@@ -328,33 +343,3 @@ class MicroBatcher(Generic[P, R]):
     def _counted(self, lane: Lane[P, R], counter: str) -> None:
         for stats in (self.stats, lane.stats):
             setattr(stats, counter, getattr(stats, counter) + 1)
-
-    def _run(self, lane: Lane[P, R], batch: list[WorkItem[P, R]]) -> None:
-        started = self._clock()
-        # With a backlog, the time since the lane's last batch ended counts too (taking this
-        # one, waiting for the interpreter lock): it is part of how fast the queue drains.
-        began = lane.last_end if lane.had_backlog and lane.last_end is not None else started
-        try:
-            results = lane.run_batch([item.payload for item in batch])
-            if len(results) != len(batch):
-                raise RuntimeError(f"batch of {len(batch)} gave {len(results)} results")
-            if lane.full:
-                lane.measure(self._clock() - began, len(batch))
-        except Exception as exc:
-            log.exception("batch of %d failed", len(batch))
-            for stats in (self.stats, lane.stats):
-                stats.failed_batches += 1
-            for item in batch:
-                item.future.set_exception(without_traceback(exc))
-        else:
-            for item, result in zip(batch, results, strict=True):
-                if isinstance(result, BaseException):
-                    item.future.set_exception(result)
-                else:
-                    item.future.set_result(result)
-        finally:
-            for stats in (self.stats, lane.stats):
-                stats.count_batch(len(batch))
-            lane.in_flight = 0
-            lane.last_end = self._clock()
-            lane.had_backlog = bool(lane.queue)

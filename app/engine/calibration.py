@@ -4,6 +4,10 @@ the runtime (guard, OOM recovery, adaptive batch size) built from it.
 The rule: a profile is reused only for the same model, weights, device, driver and torch
 (``ProfileKey``), and never one marked ``out_of_memory_on_load``; a measurement made short
 of memory is stored so marked, so the next load measures again. Runs on the device thread.
+
+A load made while the appliance serves (``first_only``) measures batch size 1 only: one
+pass to warm up, one for its memory, one timed; the guard then allows one image per batch,
+never an unmeasured size, and ``app.engine.profiling`` measures the rest between batches.
 """
 
 from __future__ import annotations
@@ -25,10 +29,14 @@ from app.engine.residency import Footprint
 from app.engine.runtime import Clock, LoadedModels, MemoryCost, Runtime, weights_bytes
 from app.engine.warmup import (
     NEAR_TIE,
+    BatchTiming,
     OutOfMemoryAtWarmup,
+    Steps,
     WarmupTimings,
     choose_batch_size,
-    profile,
+    profile_steps,
+    run_through,
+    timed,
 )
 from app.memory.fit import fit_linear
 from app.memory.guard import MemoryGuard
@@ -93,11 +101,12 @@ class Calibration:
                 stored.out_of_memory_on_load = True
                 self.profiles.put(stored)
 
-    def runtime_for(self, model: LoadedModel, started: float
+    def runtime_for(self, model: LoadedModel, started: float, first_only: bool = False
                     ) -> tuple[Runtime, ModelProfile | None]:
         """Time batch sizes and measure their memory (or reuse the stored profile), then
         set up the guard (before any cap applies); the runtime, and the profile reused
-        (None when measured). OutOfMemoryAtWarmup when the device ran out doing it."""
+        (None when measured). ``first_only``: measure batch size 1 only (the runtime's
+        ``profile_complete`` is False). OutOfMemoryAtWarmup when the device ran out."""
         models, settings = self.models, self.settings
         predictor = Predictor(model, keep_all=settings.cache)
         size = weights_bytes(model)
@@ -109,14 +118,11 @@ class Calibration:
         try:
             if reused is not None:
                 warmup, points, chosen = self._reuse(predictor, probe, reused, started)
+            elif first_only:
+                warmup, points, chosen = self._measure_first(predictor, probe, started)
             else:
-                warmup, points, chosen = self._measure(predictor, probe)
-                # Measured short of memory (another program, a model not unloaded yet):
-                # kept for now, but the next load measures again.
-                self.profiles.put(ModelProfile(
-                    key, size, fit_linear(points), points, warmup.timings, chosen,
-                    warmup.out_of_memory_at,
-                    out_of_memory_on_load=warmup.out_of_memory_at is not None))
+                warmup, points, chosen = run_through(self.measure_steps(predictor, probe))
+                self.store(key, size, warmup, points, chosen)
         except Exception as exc:
             models.set_weights(models.weights_total())
             if isinstance(exc, OutOfMemoryAtWarmup) or (
@@ -137,17 +143,35 @@ class Calibration:
                             high=settings.high_watermark, low=settings.low_watermark)
         probe.set_backstop(settings.memory_fraction)
         probe.reset_peak()
-        adaptive = None if settings.batch_size else AdaptiveBatchSize(
-            [(t.batch_size, t.seconds) for t in warmup.timings], initial=chosen,
-            max_size=max(chosen, self._ceiling(warmup, points)),
-            target_latency_s=settings.target_latency_ms / 1000)
+        adaptive = self.adaptive(warmup, points, chosen)
         if reused is not None:
             log.info("%s: reused the profile measured on %s for this model, device and "
                      "versions (%s)", model.name,
                      time.strftime("%Y-%m-%d %H:%M", time.localtime(reused.measured_at)),
                      self.profiles.folder / key.file_name())
         return Runtime(model, predictor, probe, guard, OomRecovery(predictor, guard, probe),
-                       memory, warmup, reused is not None, adaptive), reused
+                       memory, warmup, reused is not None, adaptive,
+                       profile_complete=reused is not None or not first_only), reused
+
+    def store(self, key: ProfileKey, weights: int, warmup: WarmupTimings,
+              points: list[tuple[int, int]], chosen: int) -> None:
+        """Keep a whole measurement for the next load. One made short of memory (another
+        program, a model not unloaded yet) is kept so marked: the next load measures
+        again."""
+        self.profiles.put(ModelProfile(
+            key, weights, fit_linear(points), points, warmup.timings, chosen,
+            warmup.out_of_memory_at,
+            out_of_memory_on_load=warmup.out_of_memory_at is not None))
+
+    def adaptive(self, warmup: WarmupTimings, points: list[tuple[int, int]], chosen: int
+                 ) -> AdaptiveBatchSize | None:
+        """The batch size that follows service, starting from a measurement (None when
+        the size is set by hand)."""
+        settings = self.settings
+        return None if settings.batch_size else AdaptiveBatchSize(
+            [(t.batch_size, t.seconds) for t in warmup.timings], initial=chosen,
+            max_size=max(chosen, self._ceiling(warmup, points)),
+            target_latency_s=settings.target_latency_ms / 1000)
 
     @staticmethod
     def _ceiling(warmup: WarmupTimings, points: list[tuple[int, int]]) -> int:
@@ -183,8 +207,24 @@ class Calibration:
             predictor(predictor.random_batch(1))
         return stored.warmup(self._clock() - started), list(stored.points), chosen
 
-    def _measure(self, predictor: Predictor, probe: Probe) -> Measured:
-        """Time batch sizes and measure each one's memory; the chosen size fits."""
+    def _measure_first(self, predictor: Predictor, probe: Probe, started: float
+                       ) -> Measured:
+        """Batch size 1 only: a pass that pays for the first pass's setup, its memory
+        peak, its time. What serving needs to start; the rest comes between batches."""
+        batch = predictor.random_batch(1)
+        predictor(batch)
+        peak = unless_out_of_memory(
+            functools.partial(probe.measure_peak, functools.partial(predictor, batch)))
+        took = timed(predictor, batch)
+        if peak is None or took is None:
+            probe.empty_cache()
+            raise OutOfMemoryAtWarmup()
+        return (WarmupTimings([BatchTiming(1, took)], 1, self._clock() - started),
+                [(1, peak)], 1)
+
+    def measure_steps(self, predictor: Predictor, probe: Probe) -> Steps[Measured]:
+        """Time batch sizes and measure each one's memory, a step after each pass; the
+        chosen size fits."""
         pool: list[Sample] = []
 
         def inputs(size: int) -> list[Sample]:
@@ -194,15 +234,15 @@ class Calibration:
                 pool.extend(predictor.random_batch(size - len(pool)))
             return pool[:size]
 
-        warmup = profile(predictor, self.settings.max_batch_size,
-                         self.settings.target_latency_ms / 1000, build=inputs,
-                         free=probe.empty_cache)
+        warmup = yield from profile_steps(predictor, self.settings.max_batch_size,
+                                          self.settings.target_latency_ms / 1000,
+                                          build=inputs, free=probe.empty_cache)
         chosen = self.settings.batch_size or warmup.chosen_batch_size
         tried = [t.batch_size for t in warmup.timings]
         if warmup.out_of_memory_at is not None and chosen >= warmup.out_of_memory_at:
             log.warning("batch size %d does not fit in memory: using %d", chosen, tried[-1])
             chosen = tried[-1]
-        points = memory_points(predictor, probe, inputs, tried, chosen)
+        points = yield from memory_point_steps(predictor, probe, inputs, tried, chosen)
         pool.clear()
         if points[-1][0] < chosen:
             log.warning("batch size %d does not fit in memory: using %d", chosen,
@@ -216,7 +256,8 @@ class Calibration:
         runtime = self.models.runtimes.get(name)
         if runtime is None:
             return
-        warmup, points, chosen = self._measure(runtime.predictor, runtime.probe)
+        warmup, points, chosen = run_through(self.measure_steps(runtime.predictor,
+                                                                runtime.probe))
         runtime.probe.empty_cache()
         self.profiles.put(ModelProfile(key, runtime.memory.weights_bytes, fit_linear(points),
                                        points, warmup.timings, chosen,
@@ -224,10 +265,11 @@ class Calibration:
         log.info("%s: profile measured again (the stored one was over 30 days old)", name)
 
 
-def memory_points(predictor: Predictor, probe: Probe, inputs: Callable[[int], list[Sample]],
-                  tried: list[int], chosen: int) -> list[tuple[int, int]]:
+def memory_point_steps(predictor: Predictor, probe: Probe,
+                       inputs: Callable[[int], list[Sample]], tried: list[int], chosen: int
+                       ) -> Steps[list[tuple[int, int]]]:
     """Peak memory of a batch at the first sizes tried, at the largest tried and at the
-    chosen one, smallest first, up to the first that runs out of memory.
+    chosen one, smallest first, up to the first that runs out of memory; a step after each.
 
     The small sizes give the slope; the large ones are measured because cuDNN picks an
     algorithm per shape and its workspace can jump with the batch size, which no
@@ -244,4 +286,5 @@ def memory_points(predictor: Predictor, probe: Probe, inputs: Callable[[int], li
                 raise OutOfMemoryAtWarmup()
             break
         points.append((size, peak))
+        yield
     return points

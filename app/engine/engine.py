@@ -39,6 +39,7 @@ from app.engine.loading import Loading, LoadSteps
 from app.engine.oom import Outcome
 from app.engine.predictor import Prediction, Sample
 from app.engine.profiles import ProfileKey, ProfileStore
+from app.engine.profiling import BackgroundProfiles
 from app.engine.report import MemoryReports
 from app.engine.residency import Footprint, LoadRate, Residency
 from app.engine.runtime import (
@@ -52,11 +53,13 @@ from app.engine.runtime import (
     Runtime,
     not_loaded,
     paused_error,
+    still_loading,
+    unknown_model,
     weights_bytes,
 )
 from app.engine.upkeep import Upkeep
 from app.engine.view import EngineView, build_view
-from app.errors import DeadlineExceeded, InsufficientMemory, NotFound
+from app.errors import InsufficientMemory, NotFound
 from app.memory.allocations import LargeAllocationWatch
 from app.memory.probes import MemoryReading, Probe, make_probe
 from app.models import LoadedModel, in_catalogue, load_model
@@ -97,8 +100,8 @@ class InferenceEngine:
         self.reports = MemoryReports(self.models, allocations, self.cpu_instead_of_gpu)
         # Each step looked up at each call: a test or the GPU check may wrap it.
         steps = LoadSteps(load=lambda name: self.load(name),
-                          warm_up=lambda model, pinned, started: self.warm_up(
-                              model, pinned=pinned, started=started),
+                          warm_up=lambda model, pinned, started, first_only: self.warm_up(
+                              model, pinned=pinned, started=started, first_only=first_only),
                           unload=lambda name, reason, strict: self._unload_on_device(
                               name, reason, strict))
         self.upkeep = Upkeep(settings, self.models, self.batcher, self.reports, clock,
@@ -108,6 +111,8 @@ class InferenceEngine:
                                 self.upkeep.note_batch)
         self.loader = Loading(settings, self.models, self.batcher, self.calibration,
                               self.batches, self.reports, clock, steps)
+        self.profiling = BackgroundProfiles(self.models, self.batcher, self.calibration,
+                                            self._for_measuring)
 
     # -- what readers see ------------------------------------------------------------------
 
@@ -227,11 +232,11 @@ class InferenceEngine:
                       keep_alive_s: float | None = None) -> Runtime:
         """The runtime of ``name`` (default: the ``--model`` one), loading it first when it
         is a catalogue model not loaded yet; a request that asked for it waits for the load
-        up to ``timeout_s``. NotFound for a name outside the catalogue."""
+        up to ``timeout_s``, then Loading (503, with the seconds it is expected to take
+        still). NotFound for a name outside the catalogue."""
         name = name or self.settings.model
         if not self.knows(name):
-            raise NotFound(f"There is no model called '{name}' on this computer. GET "
-                           "/v1/models lists the models this vramguard can load.")
+            raise unknown_model(name)
         if not self.ready:
             raise self.health.not_ready()
         runtime = self.runtimes.get(name)
@@ -243,8 +248,7 @@ class InferenceEngine:
             try:
                 runtime = await asyncio.wait_for(asyncio.shield(task), timeout_s)
             except TimeoutError:
-                raise DeadlineExceeded(f"The model {name} is still loading. Try again in a "
-                                       "few seconds.", retry_after=5) from None
+                raise still_loading(name, self.loader.times.seconds_left(name)) from None
         resident = self.residents.get(name)
         if resident is not None:
             resident.use(self._clock(), keep_alive_s)
@@ -257,7 +261,7 @@ class InferenceEngine:
 
     async def _load(self, name: str) -> Runtime:
         self._load_rate.take()
-        return await self.on_device(functools.partial(self.loader.load, name, False))
+        return await self.on_device(functools.partial(self.loader.load, name, False, True))
 
     async def unload(self, name: str) -> None:
         """Unload ``name`` now (an admin's choice, pinned or not); Conflict while it has
@@ -308,12 +312,17 @@ class InferenceEngine:
         return self._model_loader(name, self.device, weights)
 
     def warm_up(self, model: LoadedModel, *, pinned: bool = True,
-                started: float | None = None) -> Runtime:
+                started: float | None = None, first_only: bool = False) -> Runtime:
         """Calibrate ``model`` (measure, or reuse its stored profile) and install it; a
-        stale profile reused is measured again after, between batches."""
+        stale profile reused is measured again after, between batches. ``first_only``:
+        measure batch size 1 now, the other sizes in the background."""
         started = self._clock() if started is None else started
-        runtime, reused = self.calibration.runtime_for(model, started)
+        if first_only:
+            self._for_measuring()
+        runtime, reused = self.calibration.runtime_for(model, started, first_only)
         self.install(runtime, pinned=pinned)
+        if not runtime.profile_complete:
+            self.profiling.start(model.name)
         if reused is not None and reused.stale:
             self.batcher.call(functools.partial(self.calibration.remeasure, model.name,
                                                 reused.key))
@@ -323,6 +332,11 @@ class InferenceEngine:
                 ) -> None:
         """Serve a warmed-up runtime. (Tests install runtimes around stand-in devices.)"""
         self.loader.install(runtime, pinned, name)
+
+    def _for_measuring(self) -> None:
+        """The CPU's threads for measuring while the appliance serves."""
+        if self.batches.cpu_threads is not None:
+            self.batches.cpu_threads.for_measuring_while_serving()
 
     def _unload_on_device(self, name: str, reason: str, strict: bool) -> None:
         """Unload ``name`` (the step every eviction, expiry and admin unload takes)."""

@@ -9,6 +9,7 @@ that changes one expects the caller to hold it.
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import statistics
 from collections import Counter, deque
@@ -21,6 +22,7 @@ from app.errors import Overloaded
 
 P = TypeVar("P")
 R = TypeVar("R")
+log = logging.getLogger("vramguard.engine")
 # The estimate of seconds per image is the median of the last batches: it follows a real
 # change within a few batches, and one batch stalled by a busy machine does not swing it.
 RATE_WINDOW = 15
@@ -227,3 +229,37 @@ def run_call(fn: Callable[[], Any], future: Future[Any]) -> None:
 def fail(item: WorkItem[P, R], error: Exception) -> None:
     if item.future.set_running_or_notify_cancel():
         item.future.set_exception(error)
+
+
+def run_batch(lane: Lane[P, R], batch: list[WorkItem[P, R]],
+              counters: tuple[BatcherStats, ...], clock: Callable[[], float]) -> None:
+    """Run one batch of ``lane`` (on the device thread) and settle its futures: a result
+    that is an exception fails its request, an exception raised fails the whole batch."""
+    started = clock()
+    # With a backlog, the time since the lane's last batch ended counts too (taking this
+    # one, waiting for the interpreter lock): it is part of how fast the queue drains.
+    began = lane.last_end if lane.had_backlog and lane.last_end is not None else started
+    try:
+        results = lane.run_batch([item.payload for item in batch])
+        if len(results) != len(batch):
+            raise RuntimeError(f"batch of {len(batch)} gave {len(results)} results")
+        if lane.full:
+            lane.measure(clock() - began, len(batch))
+    except Exception as exc:
+        log.exception("batch of %d failed", len(batch))
+        for stats in counters:
+            stats.failed_batches += 1
+        for item in batch:
+            item.future.set_exception(without_traceback(exc))
+    else:
+        for item, result in zip(batch, results, strict=True):
+            if isinstance(result, BaseException):
+                item.future.set_exception(result)
+            else:
+                item.future.set_result(result)
+    finally:
+        for stats in counters:
+            stats.count_batch(len(batch))
+        lane.in_flight = 0
+        lane.last_end = clock()
+        lane.had_backlog = bool(lane.queue)

@@ -20,6 +20,7 @@ from app.config import Settings
 from app.engine.batch_run import BatchRun
 from app.engine.batcher import MicroBatcher
 from app.engine.calibration import Calibration
+from app.engine.load_times import LoadTimes
 from app.engine.oom import ErrorKind, Outcome, classify_error
 from app.engine.predictor import Sample
 from app.engine.report import MemoryReports
@@ -40,7 +41,8 @@ class LoadSteps:
     one (name, reason, strict)."""
 
     load: Callable[[str], LoadedModel]
-    warm_up: Callable[[LoadedModel, bool, float], Runtime]  # model, pinned, started
+    warm_up: Callable[[LoadedModel, bool, float, bool], Runtime]  # model, pinned, started,
+    # first_only (measure batch size 1 only, the rest between batches)
     unload: Callable[[str, str, bool], None]
 
 
@@ -59,28 +61,40 @@ class Loading:
         self.reports = reports
         self._clock = clock
         self.steps = steps
+        self.times = LoadTimes(clock)
 
-    def load(self, name: str, pinned: bool) -> Runtime:
-        """Make room, load, warm up (or reuse the stored profile), check the measured fit.
+    def load(self, name: str, pinned: bool, first_only: bool = False) -> Runtime:
+        """Make room, load, warm up (or reuse the stored profile), check the measured fit;
+        ``first_only``: measure batch size 1 only (a load while serving), the rest later.
 
         An out-of-memory during the load unloads the half-loaded model, marks its profile
         and retries once after evicting one more model."""
         runtimes = self.models.runtimes
         if name in runtimes:
             return runtimes[name]
-        started = self._clock()
         guess = self.calibration.guess(name)
+        self.times.began(name, guess.weights, first_only)
+        ok = False
+        try:
+            runtime = self._load(name, pinned, first_only, guess)
+            ok = True
+        finally:
+            self.times.ended(name, guess.weights, first_only, ok)
+        return runtime
+
+    def _load(self, name: str, pinned: bool, first_only: bool, guess: Footprint) -> Runtime:
+        started = self._clock()
         self._evict_for(name, guess)
-        runtime = self._load_once(name, pinned, started)
+        runtime = self._load_once(name, pinned, started, first_only)
         if runtime is None:
             if not self._evict_one(name):
                 raise InsufficientMemory(self._no_room(name, guess))
             log.warning("ran out of memory loading %s: unloaded another model, trying once "
                         "more", name)
-            runtime = self._load_once(name, pinned, started)
+            runtime = self._load_once(name, pinned, started, first_only)
             if runtime is None:
                 raise InsufficientMemory(self._no_room(name, guess))
-        if needed(r.footprint for r in runtimes.values()) > self.models.room():
+        if needed(r.footprint for r in self.models.runtimes.values()) > self.models.room():
             footprint = runtime.footprint
             victims = self._victims(name, footprint)
             if victims is None:
@@ -91,14 +105,18 @@ class Loading:
                 self.steps.unload(victim, "evicted", False)
         events = self.models.counted(name)
         events.loads += 1
-        events.load_seconds += self._clock() - started
+        took = self._clock() - started
+        events.load_seconds += took
+        log.info("%s loaded in %.1f s%s", name, took, "" if runtime.profile_complete else
+                 " (batch size 1 measured; the others are measured between batches)")
         return runtime
 
-    def _load_once(self, name: str, pinned: bool, started: float) -> Runtime | None:
+    def _load_once(self, name: str, pinned: bool, started: float, first_only: bool
+                   ) -> Runtime | None:
         """Load and warm up ``name``; None when the device ran out of memory doing it (the
         half-loaded model is gone and its memory given back by then)."""
         try:
-            return self.steps.warm_up(self.steps.load(name), pinned, started)
+            return self.steps.warm_up(self.steps.load(name), pinned, started, first_only)
         except OutOfMemoryAtWarmup:
             pass
         except Exception as exc:

@@ -11,6 +11,7 @@ copies (``dict(holder.runtimes)``) or the engine's view.
 from __future__ import annotations
 
 import enum
+import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,12 +25,12 @@ from app.engine.oom import OomRecovery, Outcome
 from app.engine.predictor import Predictor, Sample
 from app.engine.residency import Footprint, Residency
 from app.engine.warmup import WarmupTimings
-from app.errors import NotReady, Paused
+from app.errors import Loading, NotFound, NotReady, Paused
 from app.memory.budget import Budget
 from app.memory.fit import MemoryFit
 from app.memory.guard import MemoryGuard
 from app.memory.probes import CpuProbe, MemoryReading, Probe
-from app.models import LoadedModel
+from app.models import LoadedModel, ModelLoadError, torchvision_models
 from app.schemas import GuardState
 
 ProbeFactory = Callable[[torch.device, int, int | None], Probe]  # device, weights, CPU cap
@@ -80,6 +81,26 @@ def not_loaded(name: str) -> NotReady:
                     "loads it.", retry_after=2)
 
 
+def still_loading(name: str, seconds_left: float) -> Loading:
+    """The 503 for a request whose deadline passed while ``name`` was being loaded."""
+    seconds = max(1, math.ceil(seconds_left))
+    return Loading(f"The model {name} is being loaded; try again in {seconds} s.",
+                   retry_after=seconds)
+
+
+def unknown_model(name: str) -> NotFound:
+    """The 404 for a name that is no model this vramguard may load: a torchvision
+    architecture whose weights file is not here is told where to put it."""
+    try:
+        torchvision_models.weights_file(name, None)
+    except ModelLoadError as exc:
+        if name in torchvision_models.names():
+            return NotFound(f"{exc} vramguard never downloads; once the file is there, GET "
+                            "/v1/models lists the model and a request loads it.")
+    return NotFound(f"There is no model called '{name}' on this computer. GET /v1/models "
+                    "lists the models this vramguard can load.")
+
+
 def paused_error() -> Paused:
     """The 503 while an admin has paused the appliance."""
     return Paused("vramguard is paused. Resume it from the tray or with "
@@ -110,6 +131,7 @@ class Runtime:
     warmup: WarmupTimings
     reused_profile: bool = False
     batch_size: AdaptiveBatchSize | None = None  # None: the size was set by hand
+    profile_complete: bool = True  # False: batch size 1 measured, the rest in progress
 
     @property
     def footprint(self) -> Footprint:

@@ -48,6 +48,7 @@ class ModelFigures:
     images_per_second: float  # by the fitted line at max_batch, else warmup's timing
     batch_fit: BatchFit | None  # None: the batch size was set by hand
     profile_reused: bool
+    profile_complete: bool  # False: batch size 1 measured, the rest in the background
     warmup_seconds: float
     warmup: tuple[BatchTiming, ...]
     pinned: bool
@@ -141,7 +142,8 @@ def model_figures(name: str, runtime: Runtime, models: LoadedModels, now: float
         else warmup.throughput_at(size),
         batch_fit=None if adaptive is None or line is None
         else BatchFit(line.a, line.b, adaptive.fit.observations),
-        profile_reused=runtime.reused_profile, warmup_seconds=warmup.duration_s,
+        profile_reused=runtime.reused_profile, profile_complete=runtime.profile_complete,
+        warmup_seconds=warmup.duration_s,
         warmup=tuple(warmup.timings), pinned=bool(resident and resident.pinned),
         keep_alive_s=None if resident is None else resident.keep_alive_s,
         expires_in_s=None if resident is None else resident.expires_in(now))

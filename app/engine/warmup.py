@@ -9,6 +9,10 @@ starts: random inputs cost 1.6 ms at batch 1 and 299 ms at 256 on one CPU thread
 more than a GPU's whole forward pass, and timing them would understate the GPU
 severalfold. A size that runs out of memory (a small or busy GPU) ends the growth
 instead of the start.
+
+The measurement is written as steps (``profile_steps``: a generator that yields after each
+forward pass), so that the device thread can run it whole at start (``run_through``) or a
+pass at a time between batches, after a load that measured only what serving needs first.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -24,6 +28,17 @@ from app.engine.oom import unless_out_of_memory
 
 log = logging.getLogger("vramguard.engine")
 Inputs = TypeVar("Inputs")  # whatever ``build`` makes for one batch
+T = TypeVar("T")
+Steps = Generator[None, None, T]  # yields after each forward pass, returns its result
+
+
+def run_through(steps: Steps[T]) -> T:
+    """Every step at once: the result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
 
 
 @dataclass(frozen=True)
@@ -112,7 +127,7 @@ def _nothing() -> None:
     """Nothing to give back (the CPU)."""
 
 
-def profile(
+def profile_steps(
     run: Callable[[Inputs], object],
     max_batch: int,
     target_latency_s: float,
@@ -121,8 +136,9 @@ def profile(
     *,
     build: Callable[[int], Inputs],
     free: Callable[[], None] = _nothing,
-) -> WarmupTimings:
+) -> Steps[WarmupTimings]:
     """Time ``run(build(batch_size))`` and choose a batch size; ``build`` is not timed.
+    A step after each pass; the time between steps (batches served) is not counted.
 
     A first pass grows the size until a pass exceeds the latency target or runs out of
     memory (then ``free`` gives the cache back and no larger size is tried); then the
@@ -130,14 +146,17 @@ def profile(
     shared desktop, a VM) slows every size alike instead of whichever happened to be
     measured during a slow second.
     """
-    started = clock()
+    spent = 0.0  # seconds of passes and of what is between them within a step
     inputs: dict[int, Inputs] = {}
     out_of_memory_at = None
     for size in batch_sizes(max_batch):
         batch = build(size)
         # The first pass at a new shape pays for allocation and kernel choice.
+        step = clock()
         first = timed(run, batch, clock)
         took = None if first is None else timed(run, batch, clock)
+        spent += clock() - step
+        yield
         if took is None:
             out_of_memory_at = size
             break
@@ -154,7 +173,10 @@ def profile(
     samples: dict[int, list[float]] = {size: [] for size in inputs}
     for _ in range(repeats):
         for size in list(samples):
+            step = clock()
             took = timed(run, inputs[size], clock)
+            spent += clock() - step
+            yield
             if took is None:  # memory got scarcer since (another program): stop there
                 out_of_memory_at = size
                 samples = {s: t for s, t in samples.items() if s < size}
@@ -165,4 +187,4 @@ def profile(
         raise OutOfMemoryAtWarmup()
     timings = [BatchTiming(size, statistics.median(times)) for size, times in samples.items()]
     chosen = choose_batch_size(timings, target_latency_s)
-    return WarmupTimings(timings, chosen, clock() - started, out_of_memory_at)
+    return WarmupTimings(timings, chosen, spent, out_of_memory_at)

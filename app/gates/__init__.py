@@ -27,5 +27,5 @@ async def refuse(error: ApiError, stats: RequestStats, scope: Scope, receive: Re
     """Answer ``error`` from a gate. Gates answer before any route runs, so the app's
     error handlers (which count every route's errors) never see these: count them here,
     so that /v1/stats shows every refusal."""
-    stats.count(error.code)
+    stats.failed(error.code, scope)
     await error_response(error, scope["path"])(scope, receive, send)

@@ -24,16 +24,18 @@ def check_bearer(header: str | None, token: str) -> None:
 
 def require_admin(request: Request) -> None:
     """FastAPI dependency for admin endpoints: the admin token, or a dashboard session for
-    the few actions a session may take (listed in ``SESSION_ACTIONS``: a new admin route
-    is closed to sessions until it is added there)."""
+    the few actions a session may take (listed in ``SESSION_ACTIONS`` by route path, such
+    as ``/v1/models/{name}/unload``: a new admin route is closed to sessions until it is
+    added there)."""
     header = request.headers.get("authorization") or ""
     scheme, _, given = header.partition(" ")
     if scheme.lower() == "bearer" and request.app.state.vg.ui_sessions.valid(given.strip()):
-        if (request.method, request.scope["path"]) in SESSION_ACTIONS:
+        route = request.scope.get("route")
+        if (request.method, getattr(route, "path", None)) in SESSION_ACTIONS:
             return
-        raise AdminTokenRequired("The dashboard can only empty the cache and reset the "
-                                 "peak; this needs the admin token (the tray icon, "
-                                 "'vramguard stop', or a script that reads the token file).")
+        raise AdminTokenRequired("The dashboard can do what the tray menu does, nothing "
+                                 "more; this needs the admin token (a script that reads "
+                                 "the token file).")
     try:
         check_bearer(header, request.app.state.vg.admin_token.current())
     except Unauthorized:

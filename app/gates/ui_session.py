@@ -5,10 +5,11 @@ file that sends the browser to ``/ui#code=…``: the code is in the #fragment (n
 to servers or kept in logs) and never on a command line, where other users could read
 it. The page trades the code, once, within two minutes, for a session token.
 
-A session buys little: emptying the cache and resetting the peak (``SESSION_ACTIONS``),
-never pausing, shutting down or asking for a new code, so a session cannot renew
-itself. It ends ``SESSION_MAX_S`` after the trade, however much it is used. A page
-from any other site cannot do the trade: its Origin is refused before any route runs.
+A session buys what the tray's menu can do (``SESSION_ACTIONS``): empty the cache, reset
+the peak, pause and resume, unload a model, save a support report, stop vramguard; never
+asking for a new code, so a session cannot renew itself, nor recording allocations. It
+ends ``SESSION_MAX_S`` after the trade, however much it is used. A page from any other
+site cannot do the trade: its Origin is refused before any route runs.
 """
 
 from __future__ import annotations
@@ -21,9 +22,13 @@ CODE_TTL_S = 120.0
 SESSION_MAX_S = 8 * 3600.0
 MAX_ENTRIES = 64
 SESSION_ACTIONS = frozenset({("POST", "/v1/memory/empty-cache"),
-                             ("POST", "/v1/memory/reset-peak")})
-"""(method, path) of every admin action a dashboard session may take; all others need
-the admin token."""
+                             ("POST", "/v1/memory/reset-peak"),
+                             ("POST", "/v1/admin/pause"), ("POST", "/v1/admin/resume"),
+                             ("POST", "/v1/models/{name}/unload"),
+                             ("POST", "/v1/admin/shutdown"),
+                             ("GET", "/v1/support-report")})
+"""(method, route path) of every admin action a dashboard session may take: the tray
+menu's; all others need the admin token."""
 
 
 class UiSessions:

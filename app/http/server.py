@@ -101,6 +101,7 @@ def live_sample(state: AppState) -> LiveSample | None:
         paused=view.paused,
         requests=state.stats.snapshot(),
         rate_limited=state.limiter.rejected,
+        serving=state.stats.serving.report(state.settings.model),
     )
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from app.units import human_bytes
+from app.vocabulary import GPU_MEMORY, LIMIT, MODELS, ROOM_FOR_IMAGES
 
 
 @dataclass(frozen=True)
@@ -50,21 +51,22 @@ class Budget:
         return max(0, self.room - self.weights)
 
     def lines(self) -> list[str]:
-        """The worked example, e.g. '24.0 GiB x 0.70 - 4.0 GiB - 2.0 GiB = 10.8 GiB'."""
+        """The worked example in the names of ``app/vocabulary.py``, e.g.
+        '24.0 GiB x 0.70 - 4.0 GiB = limit 12.8 GiB - 2.0 GiB of models = 10.8 GiB'."""
         out = [
-            f"device memory      {human_bytes(self.total)}",
+            f"{GPU_MEMORY.name:<18} {human_bytes(self.total)}",
             f"x fraction         {self.fraction:.2f} = {human_bytes(self.total * self.fraction)}",
             *([f"- workspaces       {human_bytes(self.workspaces)} (kept allocated by GPU "
                "libraries after warmup)"] if self.workspaces else []),
             f"- overhead         {human_bytes(self.overhead)} (measured: device use torch "
             "does not hold)",
-            f"= room for models  {human_bytes(self.formula_room)}",
+            f"= {LIMIT.name.lower():<16} {human_bytes(self.formula_room)} (models and images "
+            "together)",
         ]
         if self.cap is not None and self.cap < self.formula_room:
             out.append(f"capped by setting  {human_bytes(self.cap)} (memory_budget)")
-        out += [f"- model weights    {human_bytes(self.weights)} (every loaded model)",
-                f"= budget           {human_bytes(self.room - self.weights)} (images in "
-                "flight)"]
+        out += [f"- {MODELS.name.lower():<16} {human_bytes(self.weights)} (every loaded model)",
+                f"= {ROOM_FOR_IMAGES.name.lower():<16} {human_bytes(self.room - self.weights)}"]
         if self.bytes != self.room - self.weights:
-            out.append(f"budget in force    {human_bytes(self.bytes)}")
+            out.append(f"{ROOM_FOR_IMAGES.name.lower()} now {human_bytes(self.bytes)}")
         return out

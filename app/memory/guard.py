@@ -117,6 +117,13 @@ class MemoryGuard:
         log.warning("out of memory with a batch of %d; bytes per sample now %s",
                     batch_size, human_bytes(self.fit.bytes_per_sample))
 
+    def reprofile(self, fit: MemoryFit, max_batch: int) -> None:
+        """More batch sizes were measured: the new fit, trusted (what OOMs taught under the
+        old one is forgotten), and the largest batch size now measured to fit."""
+        with self._lock:
+            self.profiled = self.fit = fit
+            self.max_batch = max_batch
+
     def relax(self) -> None:
         """Forget what OOMs taught (after memory was given back): trust the profile again."""
         with self._lock:

@@ -79,7 +79,8 @@ def weights_file(name: str, weights: Path | None) -> Path:
         return cached
     raise ModelLoadError(
         f"No weights for '{name}' on this computer. Download {enum.url} and either "
-        f"save it as {cached} or start vramguard with --weights PATH_TO_FILE.")
+        f"save it as {cached} or start vramguard with --model {name} --weights "
+        "PATH_TO_FILE.")
 
 
 def build(name: str, state: dict[str, Any]) -> tuple[nn.Module, Preprocessing]:

@@ -201,7 +201,8 @@ def test_tray_docks_follows_memory_and_empties_the_cache(tmp_path):
                                lambda p: share_of(p, "shedding") > 0.05)
             assert share_of(red, "shedding") > share_of(healthy, "shedding")
             # said in the same reading that recoloured the icon
-            wait_for(lambda: any(m.startswith("GPU memory is full") for m in notifications(said)),
+            wait_for(lambda: any(m.startswith("vramguard's memory is full")
+                                 for m in notifications(said)),
                      what="the memory-full notification")
         finally:
             del hog

@@ -99,11 +99,13 @@ async def test_the_admin_token_and_a_dashboard_session_pass_in_its_place(keyed: 
     async with client(keyed) as http:
         admin = await http.post("/v1/admin/pause", headers=bearer(state.admin_token.current()))
         read = await http.get("/v1/stats", headers=bearer(session))
-        beyond = await http.post("/v1/admin/resume", headers=bearer(session))
+        resumed = await http.post("/v1/admin/resume", headers=bearer(session))
+        beyond = await http.post("/v1/admin/ui-link", headers=bearer(session))
         keyed_admin = await http.post("/v1/admin/resume", headers=bearer(KEY))
     assert admin.status_code == 200 and admin.json() == {"paused": True}
     assert read.status_code == 200
-    error_message(beyond, 403, "forbidden")  # past the key gate; the admin check says no
+    assert resumed.status_code == 200  # a tray-menu action: a session may
+    error_message(beyond, 403, "forbidden")  # past the key gate; a new link it may not
     error_message(keyed_admin, 401, "unauthorized")  # the key is not the admin token
 
 

@@ -27,8 +27,9 @@ import uvicorn
 from asgi import ReadyEngine, built_app, state_of
 from photo_tree import noisy_jpeg, photo_tree
 
+from app.cli.classify import ROUNDS
 from app.cli.main import main
-from app.errors import Overloaded
+from app.errors import Loading, Overloaded
 from bench.process import ROOT
 
 
@@ -143,6 +144,27 @@ def test_answers_worth_another_try_are_sent_again(
     assert sorted(json.loads(line)["path"] for line in out.splitlines()) == sorted(images)
     assert all("predictions" in json.loads(line) for line in out.splitlines())
     assert status == 0 and "3 tagged, 0 failed" in err
+
+
+class LoadingAtFirst(ReadyEngine):
+    """Says "loading" to its first five requests: more than the rounds of retries."""
+
+    refusals = 5
+
+    async def acquire(self, *args: Any, **kwargs: Any) -> Any:
+        if self.refusals:
+            self.refusals -= 1
+            raise Loading("The model is being loaded; try again in 1 s.", retry_after=1)
+        return await super().acquire(*args, **kwargs)
+
+
+def test_a_model_being_loaded_is_waited_for_beyond_the_rounds(
+        tmp_path: Path, tree: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    assert LoadingAtFirst.refusals > ROUNDS
+    with serving(tmp_path, LoadingAtFirst) as url:
+        status, out, err = run(capsys, str(tree["a"]), "--json", "--strict", "--url", url)
+    assert status == 0 and "1 tagged, 0 failed" in err
+    assert "predictions" in json.loads(out)
 
 
 class SlowEngine(ReadyEngine):

@@ -1,6 +1,7 @@
-"""What a dashboard session (bought with the one-time code) may do: empty the cache and
-reset the peak, nothing else; it ends at a hard limit and cannot renew itself. And the
-challenge the tray sends before it trusts a server with the token. In-process."""
+"""What a dashboard session (bought with the one-time code) may do: what the tray menu
+does (empty the cache, reset the peak, pause, resume, unload, stop), nothing else; it
+ends at a hard limit and cannot renew itself. And the challenge the tray sends before it
+trusts a server with the token. In-process."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import hashlib
 import hmac
 import signal
 
+import anyio
 import pytest
 from asgi import built_app, client, error_message
 
@@ -27,7 +29,7 @@ async def session_for(http, admin: dict[str, str]) -> dict[str, str]:
     return {"Authorization": f"Bearer {session.json()['token']}"}
 
 
-async def test_a_dashboard_session_can_only_empty_the_cache_and_reset_the_peak(
+async def test_a_dashboard_session_can_do_what_the_tray_menu_does_and_nothing_more(
         tmp_path, monkeypatch):
     raised: list[int] = []  # a shutdown that got through would stop the test run
     monkeypatch.setattr(signal, "raise_signal", raised.append)
@@ -35,17 +37,25 @@ async def test_a_dashboard_session_can_only_empty_the_cache_and_reset_the_peak(
         admin = {"Authorization": f"Bearer {app.state.vg.admin_token.current()}"}
         async with client(app) as http:
             session = await session_for(http, admin)
-            for path in ("/v1/admin/pause", "/v1/admin/resume", "/v1/admin/shutdown",
-                         "/v1/admin/ui-link", "/v1/memory/record-history?seconds=1"):
+            for path in ("/v1/admin/ui-link", "/v1/memory/record-history?seconds=1",
+                         "/v1/models/efficientnet_lite0/load"):
                 refused = await http.post(path, headers=session)
                 message = error_message(refused, 403, "forbidden")
                 assert "admin token" in message, path
-            assert app.state.vg.engine.paused is False and raised == []
             for path in ("/v1/memory/empty-cache", "/v1/memory/reset-peak"):
                 allowed = await http.post(path, headers=session)  # past the check: the
                 error_message(allowed, 503, "not_ready")  # model is not loaded here
-            assert (await http.post("/v1/admin/pause", headers=admin)).json() == {
+            unload = await http.post("/v1/models/efficientnet_lite1/unload", headers=session)
+            error_message(unload, 404, "not_found")  # past the check: it is not loaded
+            assert (await http.post("/v1/admin/pause", headers=session)).json() == {
                 "paused": True}
+            assert app.state.vg.engine.paused is True
+            assert (await http.post("/v1/admin/resume", headers=session)).json() == {
+                "paused": False}
+            stopping = await http.post("/v1/admin/shutdown", headers=session)
+            assert stopping.json() == {"status": "shutting down"}
+            await anyio.sleep(0.5)  # the signal is raised 0.2 s after the answer
+            assert raised == [signal.SIGINT]
 
 
 async def test_a_session_cannot_renew_itself(tmp_path):

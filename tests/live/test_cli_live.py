@@ -16,7 +16,7 @@ def test_doctor_checks_torch_device_and_model():
     result = run_cli("doctor")
     assert result.returncode == 0, result.stdout + result.stderr
     for expected in ("torch", "NVIDIA GPU", "device", "cpu", "efficientnet_lite0 loaded",
-                     "per image", "= budget", "x fraction", "all checks passed"):
+                     "memory per image", "= room for images", "x fraction", "all checks passed"):
         assert expected in result.stdout
 
 

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # (layer, module prefixes); the longest matching prefix decides.
 LAYERS: tuple[tuple[int, tuple[str, ...]], ...] = (
     (0, ("app", "app.errors", "app.units", "app.config", "app.schemas", "app.preprocessing",
-         "app.schemas_oip", "app.host", "app.observe.registry")),
+         "app.schemas_oip", "app.host", "app.observe.registry", "app.vocabulary")),
     (1, ("app.memory", "app.models")),
     (2, ("app.engine",)),
     (3, ("app.imaging",)),
@@ -33,7 +33,7 @@ LAYERS: tuple[tuple[int, tuple[str, ...]], ...] = (
     (5, ("app.http", "app.observe")),
     (6, ("app.cli", "app.cluster", "app.__main__")),
 )
-TRAY_MAY_IMPORT = ("app.schemas", "app.units", "app.host")
+TRAY_MAY_IMPORT = ("app.schemas", "app.units", "app.host", "app.vocabulary")
 
 
 def layer_of(module: str) -> int:

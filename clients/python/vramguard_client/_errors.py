@@ -104,7 +104,15 @@ class DeadlineExceeded(Unavailable):
 
 
 class NotReady(Unavailable):
+    """vramguard itself is still starting."""
+
     code = "not_ready"
+
+
+class Loading(Unavailable):
+    """The model asked for is being loaded; ``retry_after`` says when to come back."""
+
+    code = "loading"
 
 
 class Paused(Unavailable):
@@ -151,7 +159,7 @@ BY_CODE: dict[str, type[VramguardError]] = {
         BadImage, BadRequest, Unauthorized, Forbidden, NotFound, MethodNotAllowed,
         RequestTimeout, Conflict, PayloadTooLarge, ImageTooLarge, UnsupportedMediaType,
         ImageTooComplex, RateLimited, ClientClosed, InternalError, Overloaded,
-        DeadlineExceeded, NotReady, Paused, InsufficientMemory)
+        DeadlineExceeded, NotReady, Loading, Paused, InsufficientMemory)
 }
 
 

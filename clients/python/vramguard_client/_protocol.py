@@ -43,9 +43,10 @@ ImageInput: TypeAlias = "str | os.PathLike[str] | bytes | bytearray | memoryview
 """A file path, the file's bytes, or a PIL image (sent as PNG, lossless)."""
 
 RETRIED = frozenset({"rate_limited", "overloaded", "deadline_exceeded", "not_ready",
-                     "insufficient_memory", "connection_lost", "replica_lost"})
+                     "loading", "insufficient_memory", "connection_lost", "replica_lost"})
 """Codes worth another try; every other error (4xx, paused, ...) is raised at once.
-(``replica_lost``: a cluster replica died with the request; another one answers it.)"""
+(``replica_lost``: a cluster replica died with the request; another one answers it.
+``loading``: the model asked for is being loaded; it holds back only that request.)"""
 PACED = frozenset({"rate_limited", "overloaded", "not_ready"})
 """Codes that hold back every image request of this client, not only the refused one:
 the server refused this client, or is refusing everyone."""

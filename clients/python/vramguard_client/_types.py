@@ -23,7 +23,7 @@ class Prediction:
 class Classification:
     predictions: tuple[Prediction, ...]  # most likely first
     model: str
-    batch_size: int  # images computed together with this one; 0 for a cached answer
+    batch_size: int | None  # images computed together with this one; None when cached
     cached: bool
     timing_ms: Mapping[str, float]
 
@@ -132,7 +132,9 @@ def classification(body: Mapping[str, Any]) -> Classification:
     try:
         predictions = tuple(Prediction(str(p["label"]), int(p["index"]), float(p["score"]))
                             for p in body["predictions"])
-        return Classification(predictions, str(body["model"]), int(body["batch_size"]),
+        size = body.get("batch_size")
+        return Classification(predictions, str(body["model"]),
+                              None if size is None or body["cached"] else int(size),
                               bool(body["cached"]), dict(body.get("timing_ms") or {}))
     except (KeyError, TypeError, ValueError) as exc:
         raise UnexpectedResponse(f"not a classification: {exc!r}") from None

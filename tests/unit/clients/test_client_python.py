@@ -40,7 +40,7 @@ CODES = {  # every code vramguard answers (README's errors table), with its exce
     "client_closed": (499, vg.ClientClosed), "internal_error": (500, vg.InternalError),
     "overloaded": (503, vg.Overloaded), "deadline_exceeded": (503, vg.DeadlineExceeded),
     "paused": (503, vg.Paused), "not_ready": (503, vg.NotReady),
-    "insufficient_memory": (503, vg.InsufficientMemory),
+    "loading": (503, vg.Loading), "insufficient_memory": (503, vg.InsufficientMemory),
 }
 ANSWER = {"model": "efficientnet_lite0", "batch_size": 1, "cached": False,
           "predictions": [{"label": "espresso", "index": 967, "score": 0.95}],
@@ -191,6 +191,7 @@ def test_other_errors_are_not_retried(code):
 @pytest.mark.parametrize(("code", "headers"), [
     ("overloaded", {"Retry-After": "1"}),
     ("not_ready", {"Retry-After": "1"}),
+    ("loading", {"Retry-After": "1"}),
     ("rate_limited", {"RateLimit-Remaining": "0", "RateLimit-Reset": "1"}),
 ])
 def test_a_refusal_is_retried_after_the_wait_the_server_asked(code, headers):
@@ -365,3 +366,26 @@ def test_a_token_file_others_can_read_is_refused(tmp_path):
             pytest.raises(vg.Unauthorized, match="chmod 600"):
         client.resume()
     assert script.requests == []
+
+
+def test_a_model_being_loaded_holds_back_only_its_own_request():
+    """``loading`` is about one model: another request of the client goes out at once."""
+    script = Script(error("loading", {"Retry-After": "2"}), httpx.Response(200, json=ANSWER),
+                    httpx.Response(200, json=ANSWER))
+    with mock(script) as client:
+        worker = threading.Thread(target=client.classify, args=(b"x",),
+                                  kwargs={"model": "efficientnet_lite1"})
+        worker.start()
+        while not script.requests:
+            time.sleep(0.01)
+        assert client.classify(b"y").top.label == "espresso"
+        worker.join(10)
+    # The other went out during the 2 s wait, before the retry.
+    assert [r.content for _, r in script.requests] == [b"x", b"y", b"x"]
+
+
+def test_a_cached_answer_has_no_batch_size():
+    cached = {**ANSWER, "batch_size": None, "cached": True}
+    with mock(Script(httpx.Response(200, json=cached))) as client:
+        answer = client.classify(b"x")
+    assert answer.cached and answer.batch_size is None

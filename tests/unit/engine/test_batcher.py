@@ -385,3 +385,31 @@ def test_lone_images_do_not_set_the_rate_a_backlog_is_served_at(make, fake_clock
     for i in range(5):  # one at a time: batches of 1, 0.3 s each
         assert batcher.submit(i, timeout_s=30).result(5) == f"out:{i}"
     assert batcher.seconds_per_item == pytest.approx(0.1)
+
+
+def test_background_steps_alternate_with_batches_and_give_way_to_calls() -> None:
+    """Queued before the device thread starts: the call first (calls go before all else),
+    then a batch (work was waiting), and steps alternate with batches under load."""
+    order: list[str] = []
+    batcher: MicroBatcher[int, int] = MicroBatcher(
+        lambda items: [order.append(f"batch {items[0]}") or i for i in items], max_batch=1)
+    items = [batcher.submit(n, 60) for n in range(3)]
+    steps = [batcher.when_idle(lambda n=n: order.append(f"step {n}")) for n in range(3)]
+    called = batcher.call(lambda: order.append("call"))
+    batcher.start()
+    try:
+        wait([*items, *steps, called], timeout=60)
+    finally:
+        batcher.stop()
+    assert order == ["call", "batch 0", "step 0", "batch 1", "step 1", "batch 2", "step 2"]
+
+
+def test_a_failed_background_step_fails_its_future_only() -> None:
+    batcher: MicroBatcher[int, int] = MicroBatcher(lambda items: items)
+    batcher.start()
+    try:
+        failed = batcher.when_idle(lambda: 1 / 0)
+        assert isinstance(failed.exception(60), ZeroDivisionError)
+        assert batcher.submit(7, 60).result(60) == 7
+    finally:
+        batcher.stop()

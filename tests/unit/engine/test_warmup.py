@@ -5,7 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.engine.warmup import BatchTiming, batch_sizes, choose_batch_size, profile
+from app.engine.warmup import (
+    BatchTiming,
+    WarmupTimings,
+    batch_sizes,
+    choose_batch_size,
+    profile_steps,
+    run_through,
+)
+
+
+def profile(*args: object, **kwargs: object) -> WarmupTimings:
+    """Every step of the profile at once, as a load at start runs it."""
+    return run_through(profile_steps(*args, **kwargs))  # type: ignore[arg-type]
 
 
 def test_batch_sizes_double_up_to_the_maximum():

@@ -23,7 +23,7 @@ def test_a_library_that_cannot_load_is_a_problem_doctor_names(tmp_path, monkeypa
     broken = tmp_path / "libcudnn.so.9"
     broken.write_bytes(b"not a shared library, " * 200)
     monkeypatch.setattr(native_libs, "library_dirs", lambda: [tmp_path])
-    monkeypatch.setattr("app.cli.doctor.library_dirs", lambda: [tmp_path])
+    monkeypatch.setattr("app.engine.system_checks.library_dirs", lambda: [tmp_path])
     assert main(["doctor"]) == 1
     out = capsys.readouterr().out
     assert "!!   libcudnn.so.9        does not load:" in out

@@ -6,7 +6,6 @@ import io
 import json
 import os
 import zipfile
-from pathlib import Path
 
 from app.host.support_bundle import (
     HIDDEN,

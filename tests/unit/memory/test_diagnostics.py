@@ -342,11 +342,11 @@ def test_the_two_standard_device_level_alerts_are_shipped():
 def test_tray_shows_gpu_utilisation_and_a_suspected_leak():
     busy = live_sample(gpu_utilization_ratio=0.4, leak_suspected=True,
                        leak_growth_bytes=12 * MiB)
-    assert tooltip(busy) == "vramguard: healthy, 38% of budget, peak 61%, GPU 40% busy"
+    assert tooltip(busy) == "vramguard: healthy, 41% of the limit used, peak 63%, GPU 40% busy"
     lines = menu_lines(busy)
     assert "GPU busy: 40% of the time (all programs)" in lines
     assert "Possible leak: 12 MiB more kept than at start" in lines
-    assert tooltip(live_sample()) == "vramguard: healthy, 38% of budget, peak 61%"
+    assert tooltip(live_sample()) == "vramguard: healthy, 41% of the limit used, peak 63%"
 
 
 def test_a_leak_is_notified_once_per_episode():
@@ -361,6 +361,7 @@ def test_the_tray_notifies_a_leak_without_changing_colour(tmp_path):
     tray = TrayController(ApiClient("http://127.0.0.1:9", tmp_path / "token"), messages.append)
     for _ in range(3):
         tray.stream_sample(live_sample(leak_suspected=True, leak_growth_bytes=5 * MiB))
-    assert len(messages) == 1 and "5 MiB" in messages[0]
+    leaks = [message for message in messages if "keeps" in message]  # after "is ready"
+    assert len(leaks) == 1 and "5 MiB" in leaks[0]
     assert tray.tooltip().startswith("vramguard: healthy")
     tray.client.close()

@@ -81,13 +81,13 @@ def test_a_state_event_recolours_and_notifies_at_once(tmp_path):
                 ("state", {"state": "shedding", "t": 2.0}))
     first, second = parser.feed(text)
     deliver(first, tray)
-    assert tray.wait_for_news(0) and tray.tooltip().startswith("vramguard: healthy, 38%")
+    assert tray.wait_for_news(0) and tray.tooltip().startswith("vramguard: healthy, 41%")
     assert messages == [f"vramguard is ready: 127.0.0.1:{port}"]  # the first reading
     deliver(second, tray)
     assert tray.wait_for_news(0)
     assert tray.icon(32).getpixel((16, 0)) == COLOURS["shedding"]
-    assert "State: memory full, slowing down" in tray.lines()
-    assert len(messages) == 2 and "GPU memory is full" in messages[1]
+    assert "State: full: new images wait" in tray.lines()
+    assert len(messages) == 2 and "memory is full" in messages[1]
     assert polls(tray) == 0
 
 

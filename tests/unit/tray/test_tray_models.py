@@ -140,7 +140,7 @@ def test_the_menu_lists_the_models_each_with_its_unload(tmp_path, pystray):
         "efficientnet_lite0 — 18 MiB (+ 120 MiB while working), kept loaded",
         "efficientnet_lite1 — 21 MiB (+ 160 MiB while working)",
         "- - - -"]
-    assert shown[heading + 4] == "Empty cache"
+    assert shown[heading + 4] == "Empty GPU cache"
     items = list(menu)
     assert not items[heading].enabled  # the heading is a reading, not an action
     submenus = [items[heading + 1].submenu, items[heading + 2].submenu]

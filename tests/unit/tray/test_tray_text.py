@@ -67,24 +67,30 @@ SAMPLE = sample()
 
 
 def test_tooltip_and_menu_text():
-    assert tooltip(SAMPLE) == "vramguard: healthy, 38% of budget, peak 61%"
+    """Used is Models plus Images in progress, out of the Limit (Models plus Room for
+    images): the weights count as used memory, as on the dashboard."""
+    assert tooltip(SAMPLE) == "vramguard: healthy, 41% of the limit used, peak 63%"
     assert menu_lines(SAMPLE) == [
-        "Used: 3.8 GiB of 10.0 GiB budget (38%)",
-        "Peak: 6.1 GiB (61%)",
-        "Reserved 4.7 GiB, in use 812 MiB",
+        "Used: 4.3 GiB of the 10.5 GiB limit (41%)",
+        "Models 500 MiB, images in progress 3.8 GiB, GPU cache 3.9 GiB",
+        "Peak: 6.6 GiB (63%)",
         "State: healthy",
         "Waiting: 3, batch up to 4",
     ]
     assert len(tooltip(sample(state="shedding", paused=True))) <= TOOLTIP_LIMIT
     squeezed = menu_lines(sample(budget_bytes=0, state="shedding"))
-    assert squeezed[0] == "Used: 3.8 GiB; no budget left (other programs hold the GPU memory)"
+    assert squeezed[0] == ("Used: 4.3 GiB; no room for images left (other programs hold "
+                           "the GPU memory)")
 
 
 def test_gauge_from_a_sample():
+    limit = (10 * GiB + 500 * MiB)
     gauge = gauge_of(SAMPLE)
-    assert gauge.used == pytest.approx(0.38, abs=0.001)
-    assert gauge.peak == pytest.approx(0.61, abs=0.001)
-    assert (gauge.low, gauge.high, gauge.state) == (0.75, 0.9, "ok")
+    assert gauge.used == pytest.approx((500 * MiB + 3.8 * GiB) / limit, abs=0.001)
+    assert gauge.peak == pytest.approx((500 * MiB + 6.1 * GiB) / limit, abs=0.001)
+    assert gauge.low == pytest.approx((500 * MiB + 7.5 * GiB) / limit, abs=0.001)
+    assert gauge.high == pytest.approx((500 * MiB + 9 * GiB) / limit, abs=0.001)
+    assert gauge.state == "ok"
 
 
 def test_notifications_once_per_episode():
