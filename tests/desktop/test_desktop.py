@@ -180,8 +180,8 @@ def desktop(stack: ExitStack, tmp_path: Path) -> dict[str, str]:
 def test_tray_docks_follows_memory_and_empties_the_cache(tmp_path):
     with ExitStack() as stack:
         env = desktop(stack, tmp_path)
-        server = stack.enter_context(live_server(tmp_path, "--no-cache",
-                                                 env={"VRAMGUARD_RATE_LIMIT": "0"}))
+        server = stack.enter_context(live_server(tmp_path, "--no-cache", "--memory-budget",
+                                                 "1GiB", env={"VRAMGUARD_RATE_LIMIT": "0"}))
         port = server.url.rsplit(":", 1)[1]
         said = tmp_path / "notifications.jsonl"
         tray_env = {**env, "VRAMGUARD_TOKEN_FILE": str(server.token_file)}
