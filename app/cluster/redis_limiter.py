@@ -136,8 +136,8 @@ class RedisLimiter:
             # on a pooled connection whose transport has closed, where asyncio's loop
             # raises a ConnectionError; both mean "Redis cannot be reached now".
             self._fall_back(error)
-            if script is self._script:  # its pooled connections may lead to a dead server
-                await self.aclose()
+            if script is self._script:  # its idle connections may lead to a dead server
+                await self._drop_idle_connections()
             return self.local.check(family, client, shared=shared, counted=counted)
         if probing and self._fallback:
             self._fallback = False
@@ -156,6 +156,14 @@ class RedisLimiter:
         if client is not None:
             with contextlib.suppress(RedisError, OSError):  # a dead server's sockets
                 await client.aclose()
+
+    async def _drop_idle_connections(self) -> None:
+        """Close the pool's idle connections, never those other requests are using: pulled
+        from under a request still sending, redis-py raised AttributeError (a 500) where
+        that request should have fallen back like this one. Those fail or finish alone."""
+        if self._client is not None:
+            with contextlib.suppress(RedisError, OSError):
+                await self._client.connection_pool.disconnect(inuse_connections=False)
 
     def _bucket_script(self) -> AsyncScript:
         """The script, bound to a client of the running loop (made on first use)."""

@@ -59,12 +59,16 @@ Rate limits: with ``redis_url`` every replica takes its tokens from Redis
 (app/cluster/redis_limiter.py), so the limits hold for the whole deployment; without it,
 each replica limits on its own.
 
-Placement: on CUDA each replica takes one whole GPU (``num_gpus: 1``, which Ray shows it
-as ``cuda:0``) and one CPU for its HTTP work and decoding; on the CPU it takes
-``CPU_REPLICA_CPUS`` (Ray sets ``OMP_NUM_THREADS`` to it, so torch's threads follow).
-Decode processes default to that CPU budget. The config's ``deployments`` section
-overrides any of these, and sets the autoscaling (``target_ongoing_requests``,
-``min_replicas``, ``max_replicas``); without it, ``replicas`` replicas run.
+Placement (app/cluster/placement.py): ``build_app`` counts the GPUs of the nodes Ray
+reports when it builds; with ``device: auto`` each replica then takes one GPU where there
+are some and runs on the CPU where there are none, and the log says which and why. Decode
+processes default to the replica's CPU budget. A ``ray_actor_options`` in the config's
+``deployments`` section replaces that choice (Serve's rule); ``build_app`` reads it from
+the Serve controller, which stores the config before it starts the build
+(``controller.py``, ``apply_config``; ``get_app_configs``), and holds it to the same
+check: replicas no node can hold fail the deploy with a message. The section also sets
+the autoscaling (``target_ongoing_requests``, ``min_replicas``, ``max_replicas``);
+without it, ``replicas`` replicas run.
 """
 
 from __future__ import annotations
@@ -80,17 +84,21 @@ from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 from ray import serve
 from ray.serve import Application
+from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+from ray.serve.exceptions import RayServeException
+from ray.serve.schema import ServeApplicationSchema
 from starlette.types import ASGIApp
 
+from app.cluster.placement import Node, check, choose
 from app.cluster.redis_limiter import RedisLimiter
 from app.cluster.replica import Replica
 from app.config import LOOPBACK_HOSTS, ConfigError, Settings
 from app.engine.engine import InferenceEngine, Phase
 from app.host.logs import FORMAT, RepeatThrottle
 
+log = logging.getLogger("vramguard.cluster")
 DEPLOYMENT = "vramguard"
-CPU_REPLICA_CPUS = 1  # a CPU replica's default budget: its torch threads and decoders
-GPU_REPLICA_CPUS = 1  # beside its GPU: HTTP, decoding and the device thread's Python
+IMPORT_PATH = "app.cluster.serve_app:build_app"  # the Serve config's import_path
 STARTING = frozenset({Phase.STARTING, Phase.LOADING, Phase.WARMING_UP})
 WARMUP_POLL_S = 0.2
 # A replica's queue (queue_size) must fill before Serve stops sending to it, so that the
@@ -128,25 +136,52 @@ def settings_from(args: Mapping[str, Any]) -> Settings:
     return settings
 
 
-def uses_gpu(settings: Settings) -> bool:
-    """Whether each replica needs a GPU: asked for, or ``auto`` on a cluster that has
-    some (read from Ray when it is running, as it is for ``serve run`` and ``serve
-    deploy``)."""
-    if settings.device == "cpu":
-        return False
-    if settings.device == "cuda":
-        return True
+def cluster_nodes() -> list[Node] | None:
+    """The total resources of each alive node; None when Ray is not running (``serve
+    run`` with an import path builds before it starts Ray)."""
     if not ray.is_initialized():
-        return False
-    resources: dict[str, float] = ray.cluster_resources()  # type: ignore[no-untyped-call]
-    return resources.get("GPU", 0) > 0
+        return None
+    nodes: list[dict[str, Any]] = ray.nodes()  # type: ignore[no-untyped-call]
+    return [node["Resources"] for node in nodes if node["Alive"]]
 
 
-def actor_options(settings: Settings) -> dict[str, float]:
-    """What each replica reserves on its node."""
-    if uses_gpu(settings):
-        return {"num_gpus": 1, "num_cpus": GPU_REPLICA_CPUS}
-    return {"num_cpus": CPU_REPLICA_CPUS}
+def configured_actor_options(args: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The ``ray_actor_options`` that the Serve config deploying these ``args`` gives the
+    deployment, which Serve uses instead of vramguard's; None when it gives none, or
+    when no Serve config is being deployed (``serve.run`` from Python)."""
+    if not ray.is_initialized():
+        return None
+    try:
+        controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    except ValueError:  # no Serve yet
+        return None
+    reply: Any = controller.get_app_configs.remote()
+    configs: dict[str, ServeApplicationSchema] = ray.get(reply)
+    for config in configs.values():
+        if config.import_path != IMPORT_PATH or config.args != args:
+            continue
+        for deployment in config.model_dump(exclude_unset=True).get("deployments", []):
+            if deployment["name"] == DEPLOYMENT and "ray_actor_options" in deployment:
+                options: dict[str, Any] = deployment["ray_actor_options"]
+                return options
+    return None
+
+
+def actor_options(settings: Settings, args: Mapping[str, Any]) -> dict[str, Any]:
+    """What each replica reserves on its node, checked against the nodes there are, and
+    logged with the reason."""
+    nodes = cluster_nodes()
+    placement = choose(settings, nodes)
+    configured = configured_actor_options(args)
+    if nodes is not None:
+        check(placement.options if configured is None else configured, nodes,
+              from_config=configured is not None)
+    if configured is None:
+        log.info("Placement: %s (ray_actor_options %s).", placement.reason, placement.options)
+        return dict(placement.options)
+    log.info("Placement: the config's ray_actor_options %s, in place of vramguard's "
+             "choice (%s).", configured, placement.reason)
+    return configured
 
 
 def _log_to_stderr(level: str) -> None:
@@ -204,13 +239,27 @@ class VramguardReplica:
 REPLICA = serve.deployment(name=DEPLOYMENT)(serve.ingress()(VramguardReplica))
 
 
+class UnusableConfig(ConfigError, RayServeException):
+    """A Serve config vramguard cannot run. A RayServeException, so that Serve fails the
+    deploy at once with this message (``application_state.py``,
+    ``build_serve_application``), instead of building again three times (it retries
+    other exceptions) and showing a traceback."""
+
+
 def build_app(args: dict[str, Any]) -> Application:
     """The Serve config's ``import_path`` (``app.cluster.serve_app:build_app``): the
-    deployment for vramguard's settings in ``args``, ConfigError for a bad one."""
-    settings = settings_from(args)
+    deployment for vramguard's settings in ``args``; UnusableConfig for a bad one, or
+    for replicas that no node could hold."""
+    try:
+        settings = settings_from(args)
+        if ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE:
+            _log_to_stderr(settings.log_level)  # Serve's build task: show the placement
+        options = actor_options(settings, args)
+    except ConfigError as error:
+        raise UnusableConfig(str(error)) from None
     deployment = REPLICA.options(
         num_replicas=settings.replicas,
-        ray_actor_options=actor_options(settings),
+        ray_actor_options=options,
         max_ongoing_requests=settings.queue_size + ONGOING_MARGIN,
         graceful_shutdown_timeout_s=settings.request_timeout_s + 5)
     return deployment.bind(dict(args))

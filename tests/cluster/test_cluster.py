@@ -112,7 +112,7 @@ def replica_actors() -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory) -> Iterator[Cluster]:
+def cluster(tmp_path_factory, ray_deadlines) -> Iterator[Cluster]:
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed (Debian: apt install redis-server)")
     tmp = tmp_path_factory.mktemp("cluster")
@@ -128,9 +128,12 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
             "log_dir": str(tmp / "logs")}
     # The replicas are Ray workers: they inherit this process's environment, not the
     # per-test user folders (set later, per test), so every path is given above. The
-    # proxy takes vramguard's answer for lost requests from it too.
+    # proxy takes vramguard's answer for lost requests from it too, and Serve its
+    # deadlines for a busy machine (conftest.py).
     with pytest.MonkeyPatch.context() as env:
         env.setenv("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "app.cluster.proxy:middlewares")
+        for name, value in ray_deadlines.items():
+            env.setenv(name, value)
         ray.init(num_cpus=2, include_dashboard=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -166,13 +169,29 @@ def answered(cluster: Cluster, rank: int) -> float:
                           'route="classify"') or 0
 
 
+async def burst_resent(url: str, count: int) -> list[httpx.Response]:
+    """``count`` images at once, each sent again after Retry-After while it gets a 503 (a
+    replica too busy on a slow machine), as vramguard asks clients to do."""
+    deadline = time.monotonic() + 60
+    async with httpx.AsyncClient(base_url=url, timeout=60,
+                                 limits=httpx.Limits(max_connections=count)) as client:
+        return list(await asyncio.gather(*(until_answered(client, i, deadline, [])
+                                           for i in range(count))))
+
+
 def test_the_espresso_classifies_through_the_proxy_and_both_replicas_serve(cluster):
     cluster.flush()
     before = [served(cluster, rank) for rank in (0, 1)]
-    responses = asyncio.run(burst(cluster.url, 12))
-    assert [r.status_code for r in responses] == [200] * 12, responses[0].text
-    assert {r.json()["predictions"][0]["label"] for r in responses} == {"espresso"}
+    responses = asyncio.run(burst_resent(cluster.url, 12))
     after = [served(cluster, rank) for rank in (0, 1)]
+    if min(a - b for a, b in zip(after, before, strict=True)) == 0:
+        # Serve's router picks by the replicas' queue lengths; on a starved machine their
+        # answers to its probes come late and one burst can go to one replica: a second,
+        # smaller burst (within the 30 shared tokens) must then reach the other.
+        responses += asyncio.run(burst_resent(cluster.url, 6))
+        after = [served(cluster, rank) for rank in (0, 1)]
+    assert {r.status_code for r in responses} == {200}, responses[0].text
+    assert {r.json()["predictions"][0]["label"] for r in responses} == {"espresso"}
     assert after[0] > before[0] and after[1] > before[1], (before, after)
     with httpx.Client(base_url=cluster.url, timeout=10) as client:
         memory = client.get("/v1/memory")

@@ -124,11 +124,44 @@ def test_the_shipped_serve_config_builds():
     assert isinstance(module.build_app(args), Application)
 
 
-def test_a_replica_takes_a_gpu_on_cuda_and_a_cpu_budget_on_the_cpu():
-    module = serve_app()
-    assert module.actor_options(Settings(device="cuda")) == {"num_gpus": 1, "num_cpus": 1}
-    assert module.actor_options(Settings(device="cpu")) == {"num_cpus": 1}
-    assert module.actor_options(Settings(device="auto")) == {"num_cpus": 1}  # Ray not running
+CPU_NODE = {"CPU": 2.0, "memory": 4e9}
+GPU_NODE = {"CPU": 8.0, "GPU": 1.0, "memory": 3e10}
+
+
+@pytest.mark.parametrize(("device", "nodes", "options", "reason"), [
+    ("auto", [CPU_NODE, GPU_NODE], {"num_gpus": 1, "num_cpus": 1},
+     "device is auto and the cluster has 1 GPU: each replica takes one GPU"),
+    ("auto", [CPU_NODE], {"num_cpus": 1}, "no computer of the cluster has a GPU"),
+    ("auto", None, {"num_cpus": 1}, "Ray is not running yet"),
+    ("cuda", [GPU_NODE], {"num_gpus": 1, "num_cpus": 1}, "device is cuda"),
+    ("cuda", None, {"num_gpus": 1, "num_cpus": 1}, "device is cuda"),
+    ("cpu", [GPU_NODE], {"num_cpus": 1}, "device is cpu"),
+])
+def test_replicas_follow_the_device_and_the_gpus_ray_reports(device, nodes, options, reason):
+    from app.cluster.placement import choose
+
+    placement = choose(Settings(device=device), nodes)
+    assert placement.options == options and reason in placement.reason
+
+
+def test_cuda_on_a_cluster_without_a_gpu_is_refused_with_what_to_do():
+    from app.cluster.placement import choose
+
+    with pytest.raises(ConfigError, match=r"no computer of this Ray cluster has a GPU.*'auto'"):
+        choose(Settings(device="cuda"), [CPU_NODE])
+
+
+@pytest.mark.parametrize(("options", "short"), [
+    ({"num_gpus": 1}, "1 GPU"),
+    ({"num_cpus": 4}, "4 CPU"),
+    ({"num_cpus": 1, "resources": {"tpu": 1}}, "1 tpu"),
+])
+def test_replicas_no_node_can_hold_are_refused_naming_what_is_missing(options, short):
+    from app.cluster.placement import check
+
+    with pytest.raises(ConfigError, match=f"would need {short} .*config's ray_actor_options"):
+        check(options, [CPU_NODE], from_config=True)
+    check({"num_gpus": 1, "num_cpus": 8}, [CPU_NODE, GPU_NODE], from_config=True)
 
 
 @pytest.mark.parametrize(("args", "named"), [
