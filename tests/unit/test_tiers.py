@@ -103,3 +103,13 @@ def test_the_scan_finds_a_planted_slow_mark(planted):
 ])
 def test_the_scan_leaves_other_marks_alone(clean):
     assert slow_marks(clean) == []
+
+
+def test_no_two_test_files_share_a_name():
+    """The test folders are not packages: pytest imports each file under its bare name, so
+    a second tests/…/test_x.py stops the whole run at collection (CI stopped so once),
+    while running either folder alone passes."""
+    seen: dict[str, Path] = {}
+    for path in sorted(TESTS.rglob("test_*.py")):
+        assert path.name not in seen, f"{path} and {seen[path.name]} share a name"
+        seen[path.name] = path
