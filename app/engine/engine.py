@@ -64,6 +64,7 @@ from app.memory.allocations import LargeAllocationWatch
 from app.memory.probes import MemoryReading, Probe, make_probe
 from app.models import LoadedModel, in_catalogue, load_model
 from app.schemas import MemoryReport
+from app.units import human_bytes
 
 __all__ = ["InferenceEngine", "MemoryCost", "ModelOutcomes", "Phase", "Runtime",
            "weights_bytes"]
@@ -218,11 +219,12 @@ class InferenceEngine:
         for runtime in list(self.runtimes.values()):
             guard = runtime.guard
             log.info("ready: %s on %s, batch size %d (%.1f images/s), %s %.1f s; "
-                     "%d bytes per image, budget %d bytes", runtime.model.name, self.device,
-                     guard.max_batch, runtime.warmup.throughput_at(guard.max_batch),
+                     "memory per image %s, room for images %s of the %s limit",
+                     runtime.model.name, self.device, guard.max_batch,
+                     runtime.warmup.throughput_at(guard.max_batch),
                      "profile reused, loaded in" if runtime.reused_profile else "warmup",
-                     runtime.warmup.duration_s, runtime.memory.fit.bytes_per_sample,
-                     guard.budget_bytes)
+                     runtime.warmup.duration_s, human_bytes(runtime.memory.fit.bytes_per_sample),
+                     human_bytes(guard.budget_bytes), human_bytes(guard.budget.room))
 
     def stop(self) -> None:
         self.phase = Phase.STOPPED
