@@ -5,24 +5,17 @@ installed; the same requests are checked in process in ``tests/inprocess/test_br
 
 from __future__ import annotations
 
-import shutil
-import threading
 import time
 from collections.abc import Iterator
-from functools import partial
-from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
+from browser import another_site, browser_session, require_chromium
 from images import photo
 from live_server import live_server
 
-from bench.process import free_port
-
-webdriver = pytest.importorskip("selenium.webdriver")
-if not (shutil.which("chromium") and shutil.which("chromedriver")):
-    pytest.skip("chromium and chromedriver are not installed", allow_module_level=True)
+require_chromium()
 
 DRAIN = 110  # one more than the classify burst (100) and then some, as in the issue
 PAGE = """<!doctype html><title>loading</title><body><script>
@@ -41,39 +34,16 @@ document.body.appendChild(frame);
 </script></body>"""
 
 
-class Quiet(SimpleHTTPRequestHandler):
-    def log_message(self, *args: Any) -> None:
-        """No line per request on the test's output."""
-
-
 @pytest.fixture
 def browser() -> Iterator[Any]:
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu"):
-        options.add_argument(flag)
-    options.binary_location = shutil.which("chromium")
-    driver = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=options)
-    yield driver
-    driver.quit()
+    with browser_session() as driver:
+        yield driver
 
 
 @pytest.fixture
 def other_site(tmp_path: Path) -> Iterator[tuple[Path, str]]:
-    """A folder served on another port, reached as http://localhost:<port>: another site
-    than http://127.0.0.1:<vramguard's port>."""
-    folder = tmp_path / "site"
-    folder.mkdir()
-    port = free_port()
-    site = ThreadingHTTPServer(("127.0.0.1", port), partial(Quiet, directory=str(folder)))
-    thread = threading.Thread(target=site.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield folder, f"http://localhost:{port}"
-    finally:
-        site.shutdown()
-        site.server_close()
+    with another_site(tmp_path) as site:
+        yield site
 
 
 def test_a_page_on_another_site_drains_nothing_and_opens_nothing(

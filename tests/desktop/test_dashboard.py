@@ -8,34 +8,25 @@ test_dashboard_serving.py."""
 from __future__ import annotations
 
 import contextlib
-import shutil
 import time
 import webbrowser
 from pathlib import Path
 
 import httpx
 import pytest
+from browser import browser_session, require_chromium
 from images import photo
 from live_server import live_server
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
-webdriver = pytest.importorskip("selenium.webdriver")
-if not (shutil.which("chromium") and shutil.which("chromedriver")):
-    pytest.skip("chromium and chromedriver are not installed", allow_module_level=True)
+require_chromium()
 
 
 @pytest.fixture
 def browser():
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1280,800"):
-        options.add_argument(flag)
-    options.binary_location = shutil.which("chromium")
-    driver = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=options)
-    yield driver
-    driver.quit()
+    with browser_session() as driver:
+        yield driver
 
 
 def wait_until(predicate, timeout: float = 15.0) -> None:

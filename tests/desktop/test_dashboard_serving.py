@@ -11,46 +11,28 @@ stop vramguard."""
 
 from __future__ import annotations
 
-import shutil
 import threading
 import time
 from collections.abc import Iterator
-from functools import partial
-from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from browser import another_site, browser_session, require_chromium
 from images import DATA, photo
 from live_server import LiveServer, live_server
-
-from bench.process import free_port
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 MODELS = ("efficientnet_lite0", "efficientnet_lite1")
 
-webdriver = pytest.importorskip("selenium.webdriver")
-if not (shutil.which("chromium") and shutil.which("chromedriver")):
-    pytest.skip("chromium and chromedriver are not installed", allow_module_level=True)
-
-
-def open_browser(width: int = 1280, height: int = 800) -> Any:
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu",
-                 f"--window-size={width},{height}"):
-        options.add_argument(flag)
-    options.binary_location = shutil.which("chromium")
-    return webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=options)
+require_chromium()
 
 
 @pytest.fixture
 def browser() -> Iterator[Any]:
-    driver = open_browser()
-    yield driver
-    driver.quit()
+    with browser_session() as driver:
+        yield driver
 
 
 def wait_until(predicate: Any, timeout: float = 30.0) -> None:
@@ -310,11 +292,6 @@ def test_a_photo_dropped_or_picked_is_answered(server: LiveServer, browser: Any)
     assert browser.find_element("id", "try-message").text  # the server's own words
 
 
-class Quiet(SimpleHTTPRequestHandler):
-    def log_message(self, *args: Any) -> None:
-        """No line per request on the test's output."""
-
-
 ATTACK = """<!doctype html><title>loading</title><body>
 <iframe name="sink"></iframe>
 <script>
@@ -343,19 +320,8 @@ ATTACK = """<!doctype html><title>loading</title><body>
 
 @pytest.fixture
 def other_site(tmp_path: Path) -> Iterator[tuple[Path, str]]:
-    """A folder served on another port, reached as http://localhost:<port>: another site
-    than http://127.0.0.1:<vramguard's port>."""
-    folder = tmp_path / "site"
-    folder.mkdir()
-    port = free_port()
-    site = ThreadingHTTPServer(("127.0.0.1", port), partial(Quiet, directory=str(folder)))
-    thread = threading.Thread(target=site.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield folder, f"http://localhost:{port}"
-    finally:
-        site.shutdown()
-        site.server_close()
+    with another_site(tmp_path) as site:
+        yield site
 
 
 def test_a_page_on_another_site_cannot_send_photos_the_dashboards_way(

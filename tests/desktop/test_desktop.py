@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from browser import browser_session, require_chromium
 from live_server import USER_DIRS, free_port, live_server
 from PIL import Image
 
@@ -263,18 +264,9 @@ def test_the_tray_says_it_is_ready_once_and_opens_use_it_from_your_app(tmp_path)
 
 @pytest.fixture
 def chromium():
-    webdriver = pytest.importorskip("selenium.webdriver")
-    if not (shutil.which("chromium") and shutil.which("chromedriver")):
-        pytest.skip("chromium and chromedriver are not installed")
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu"):
-        options.add_argument(flag)
-    options.binary_location = shutil.which("chromium")
-    driver = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=options)
-    yield driver
-    driver.quit()
+    require_chromium()
+    with browser_session() as driver:
+        yield driver
 
 
 def test_without_a_menu_a_click_opens_the_dashboard_and_its_empty_cache_works(
