@@ -114,6 +114,7 @@ class InferenceEngine:
                               self.batches, self.reports, clock, steps)
         self.profiling = BackgroundProfiles(self.models, self.batcher, self.calibration,
                                             self._for_measuring)
+        self.loader.on_unload = self.profiling.cancel
 
     # -- what readers see ------------------------------------------------------------------
 

@@ -62,6 +62,7 @@ class Loading:
         self._clock = clock
         self.steps = steps
         self.times = LoadTimes(clock)
+        self.on_unload: Callable[[str], None] = lambda name: None  # before memory is freed
 
     def load(self, name: str, pinned: bool, first_only: bool = False) -> Runtime:
         """Make room, load, warm up (or reuse the stored profile), check the measured fit;
@@ -208,6 +209,7 @@ class Loading:
             return
         self.batcher.remove_lane(name, Overloaded(f"The model {name} was unloaded. Try "
                                                   "again.", retry_after=1))
+        self.on_unload(name)
         del runtime
         gc.collect()
         if models.probe is not None:

@@ -43,36 +43,52 @@ class BackgroundProfiles:
         self.batcher = batcher
         self.calibration = calibration
         self.before_step = before_step
+        self._pending: dict[str, tuple[Runtime, Steps[Measured]]] = {}
 
     def start(self, name: str) -> None:
         """Measure the rest of ``name``'s profile (loaded with batch size 1 measured)."""
         runtime = self.models.runtimes[name]
-        steps = self.calibration.measure_steps(runtime.predictor, runtime.probe)
-        self._next(name, runtime, steps)
+        self.cancel(name)
+        self._pending[name] = (runtime, self.calibration.measure_steps(runtime.predictor,
+                                                                       runtime.probe))
+        self._next(name)
 
-    def _next(self, name: str, runtime: Runtime, steps: Steps[Measured]) -> None:
+    def cancel(self, name: str) -> None:
+        """Stop measuring ``name`` (it is being unloaded): the queued step then finds
+        nothing, and holds no reference that would keep the model's memory."""
+        pending = self._pending.pop(name, None)
+        if pending is not None:
+            pending[1].close()
+
+    def _next(self, name: str) -> None:
         try:
-            self.batcher.when_idle(functools.partial(self._step, name, runtime, steps))
+            self.batcher.when_idle(functools.partial(self._step, name))
         except RuntimeError:  # the device thread is stopping
-            steps.close()
+            self.cancel(name)
 
-    def _step(self, name: str, runtime: Runtime, steps: Steps[Measured]) -> None:
-        if self.models.runtimes.get(name) is not runtime:  # unloaded since
-            steps.close()
+    def _step(self, name: str) -> None:
+        pending = self._pending.get(name)
+        if pending is None:  # cancelled: unloaded since
+            return
+        runtime, steps = pending
+        if self.models.runtimes.get(name) is not runtime:  # replaced since
+            self.cancel(name)
             return
         self.before_step()
         try:
             next(steps)
         except StopIteration as done:
+            del self._pending[name]
             self._complete(name, runtime, done.value)
             return
         except Exception as exc:
+            del self._pending[name]
             runtime.probe.empty_cache()
             log.warning("%s: measuring the batch sizes beyond 1 stopped (%s); it goes on "
                         "serving one image per batch", name, str(exc).splitlines()[0]
                         if str(exc) else type(exc).__name__)
             return
-        self._next(name, runtime, steps)
+        self._next(name)
 
     def _complete(self, name: str, runtime: Runtime, measured: Measured) -> None:
         """The whole measurement in force for ``name``, and stored."""

@@ -114,7 +114,11 @@ async def oom_on_load(check: Check, engine: InferenceEngine, watch: ModelWatch,
         evicted=[e["model"] for e in watch.since(at, "unload")
                  if e["reason"] == "evicted"],
         profile_marked=any(p["out_of_memory_on_load"] for p in watch.since(at, "profile_put")
-                           if p["model"] == LITE[2]))
+                           if p["model"] == LITE[2]),
+        # The profile a later load could reuse, as stored before this attempt: none when
+        # every earlier load of the model measured batch size 1 only (a load made while
+        # serving stores its profile once the background measurement completes).
+        profile_reusable=_reusable_profile(watch, at))
     if check.cuda_ready:
         attempt["reserved_change_bytes"] = after["reserved"] - before["reserved"]
     if LITE[2] in engine.runtimes:
@@ -146,7 +150,7 @@ def judge_oom_on_load(check: Check, attempt: dict[str, Any]) -> None:
         check.warn("multi_model", f"{kind}: {late} bytes (modules "
                    f"{attempt['half_loaded_alive']}) stayed allocated until a garbage "
                    "collection after the request was answered")
-    if "warm_up" in ooms and not attempt["profile_marked"]:
+    if "warm_up" in ooms and not attempt["profile_marked"] and attempt["profile_reusable"]:
         check.fail("profile_not_marked", "multi_model", f"{kind}: {LITE[2]} ran out of "
                    "memory in warmup and its profile was not marked out_of_memory_on_load")
     elif ooms and not attempt["profile_marked"]:
@@ -161,3 +165,11 @@ def judge_oom_on_load(check: Check, attempt: dict[str, Any]) -> None:
                    f"{squeezed[-1]['chosen_batch_size']}, out of memory at "
                    f"{squeezed[-1]['out_of_memory_at']}): later loads reuse it after the "
                    "memory is back")
+
+
+def _reusable_profile(watch: ModelWatch, before: int) -> bool:
+    """Whether the last profile stored for the model before event ``before`` could be
+    reused by its next load (stored, and not marked out_of_memory_on_load)."""
+    puts = [event for event in watch.events[:before]
+            if event["event"] == "profile_put" and event["model"] == LITE[2]]
+    return bool(puts) and not puts[-1]["out_of_memory_on_load"]

@@ -72,7 +72,10 @@ def check_multi_model(multi: dict) -> None:
     for record in loads.values():
         measured = record["measured"]
         assert record["classified"]["top1"] == "espresso"
-        assert measured["weights_bytes"] > 10_000_000 and measured["batch_size"] == 2
+        # The pinned model is measured whole before ready; a load on demand measures
+        # batch size 1 before it answers, the rest in the background (architecture.md).
+        assert measured["weights_bytes"] > 10_000_000
+        assert measured["batch_size"] in ((2,) if record["pinned"] else (1, 2))
         assert measured["profile_reused"] is False  # first loads: measured
         assert record["memory_delta"]["allocated"] == measured["weights_bytes"]
         # Before the first load the engine knows only the weights file's size.
@@ -99,7 +102,8 @@ def check_multi_model(multi: dict) -> None:
     for attempt in attempts.values():
         assert attempt["evicted"] == [LITE[1]]  # one more eviction, then the retry
         assert attempt["leak_bytes"] == 0 and attempt["half_loaded_alive"] == []
-        assert attempt["profile_marked"] is True
+        # Marked, or no profile was stored that a later load could reuse.
+        assert attempt["profile_marked"] or not attempt["profile_reusable"]
     room = attempts["batch_does_not_fit"]  # the weights fit, a pass of one does not
     assert room["out_of_memory_in"] == ["warm_up"]
     assert room["outcome"] == "loaded" and room["classified"]["top1"] == "espresso"
