@@ -6,12 +6,10 @@ installed; the same requests are checked in process in ``tests/inprocess/test_br
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
-from browser import another_site, browser_session, require_chromium
+from browser import require_chromium
 from images import photo
 from live_server import live_server
 
@@ -32,18 +30,6 @@ const frame = document.createElement("iframe");
 frame.src = "{api}/ui";
 document.body.appendChild(frame);
 </script></body>"""
-
-
-@pytest.fixture
-def browser() -> Iterator[Any]:
-    with browser_session() as driver:
-        yield driver
-
-
-@pytest.fixture
-def other_site(tmp_path: Path) -> Iterator[tuple[Path, str]]:
-    with another_site(tmp_path) as site:
-        yield site
 
 
 def test_a_page_on_another_site_drains_nothing_and_opens_nothing(

@@ -13,20 +13,13 @@ import webbrowser
 from pathlib import Path
 
 import httpx
-import pytest
-from browser import browser_session, require_chromium
+from browser import require_chromium
 from images import photo
 from live_server import live_server
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 require_chromium()
-
-
-@pytest.fixture
-def browser():
-    with browser_session() as driver:
-        yield driver
 
 
 def wait_until(predicate, timeout: float = 15.0) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
-from browser import another_site, browser_session, require_chromium
+from browser import require_chromium
 from images import DATA, photo
 from live_server import LiveServer, live_server
 
@@ -27,12 +27,6 @@ DOCS = Path(__file__).resolve().parents[2] / "docs"
 MODELS = ("efficientnet_lite0", "efficientnet_lite1")
 
 require_chromium()
-
-
-@pytest.fixture
-def browser() -> Iterator[Any]:
-    with browser_session() as driver:
-        yield driver
 
 
 def wait_until(predicate: Any, timeout: float = 30.0) -> None:
@@ -316,12 +310,6 @@ ATTACK = """<!doctype html><title>loading</title><body>
   document.title = "done " + outcomes.join(" ");
 }})();
 </script></body>"""
-
-
-@pytest.fixture
-def other_site(tmp_path: Path) -> Iterator[tuple[Path, str]]:
-    with another_site(tmp_path) as site:
-        yield site
 
 
 def test_a_page_on_another_site_cannot_send_photos_the_dashboards_way(
