@@ -73,6 +73,12 @@ def default_cache_dir() -> Path:
     return Path(platformdirs.user_cache_dir(APP_NAME, appauthor=False)) / "results"
 
 
+def default_models_dir() -> Path:
+    """The per-user folder of own models (``vramguard models add``), kept on uninstall
+    unless the user asks otherwise."""
+    return Path(platformdirs.user_data_dir(APP_NAME, appauthor=False)) / "models"
+
+
 def default_token_file() -> Path:
     """The per-user admin token file, next to the config file."""
     return default_config_file().parent / "admin-token"
@@ -111,6 +117,12 @@ class Settings(BaseSettings):
     max_loads_per_minute: int = Field(6, ge=1, description="Most model loads in any minute; "
                                       "beyond it a request for a model not loaded gets 503 "
                                       "and a Retry-After.")
+    models_dir: Path = Field(default_factory=default_models_dir, description="Folder of "
+                             "your own models, one sub-folder each (vramguard models add); a "
+                             "folder put there by hand is found without a restart.")
+    model_check_timeout_s: float = Field(120.0, gt=0, description="Seconds an own model's "
+                                         "first check (a trial load in a separate process) "
+                                         "may take before the folder is refused.")
     profile_dir: Path = Field(default_factory=lambda: default_cache_dir().parent / "profiles",
                               description="Folder of the measured model profiles (reused so "
                               "that a second start skips profiling).")

@@ -89,6 +89,12 @@ def too_busy_to_start() -> DeadlineExceeded:
                             "Try again shortly.", retry_after=2)
 
 
+class ModelUnusable(ApiError):
+    """An own model's folder did not pass its check; the message says what is wrong."""
+
+    status, code = 422, "model_unusable"
+
+
 class NotReady(ApiError):
     """vramguard itself is starting (or stopping, or failed to start)."""
 

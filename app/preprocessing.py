@@ -10,10 +10,14 @@ from dataclasses import dataclass
 class Preprocessing:
     """How a model wants its input: resize the short side, centre-crop, normalise.
 
-    ``mean`` and ``std`` are in 0-255 pixel units, per RGB channel.
+    ``mean`` and ``std`` are in 0-255 pixel units, one per channel: three for RGB, one
+    for grey (``channels``). ``interpolation`` is how the crop is scaled to ``crop``
+    pixels: "nearest", "bilinear" or "bicubic".
     """
 
     resize: int
     crop: int
-    mean: tuple[float, float, float]
-    std: tuple[float, float, float]
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    interpolation: str = "bilinear"
+    channels: int = 3

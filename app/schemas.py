@@ -23,7 +23,14 @@ class PredictionOut(BaseModel):
 
 class ClassifyResponse(BaseModel):
     model: str
-    predictions: list[PredictionOut]
+    predictions: list[PredictionOut] = Field(description="The most likely classes, best "
+                                             "first; for a multilabel model the same as "
+                                             "labels.")
+    labels: list[PredictionOut] | None = Field(None, description="A multilabel model only: "
+                                               "every label whose score is above the "
+                                               "threshold, best first (top_k does not apply).")
+    threshold: float | None = Field(None, description="A multilabel model only: the score a "
+                                    "label needed.")
     batch_size: int | None = Field(description="Images computed together with this one; "
                                    "null for an answer from the result cache (cached: true), "
                                    "which no batch computed.")
@@ -64,6 +71,12 @@ class ModelOut(BaseModel):
     input_size: int
     installed: bool = Field(description="Whether its weights are on this computer.")
     note: str = Field("", description="Why it cannot load, when it cannot.")
+    task: str = Field("classify", description="classify, multilabel (every label above a "
+                      "threshold) or embed (image features only, /v1/embed).")
+    format: str = Field("", description="Where it comes from: efficientnet_lite, "
+                        "torchvision, or an own model's format (timm, timm-hf, "
+                        "transformers, torchvision, torchscript, export, onnx).")
+    labels: int = Field(1000, description="How many labels it answers with (0: embed).")
     pinned: bool = Field(False, description="Loaded at start and never unloaded to make "
                          "room (--model, --models).")
     keep_alive_s: float | None = Field(None, description="Seconds it stays loaded after its "

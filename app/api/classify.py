@@ -6,8 +6,16 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from app.api.image_flow import BODY_DOC, KeepAlive, ModelQuery, Served, TopK, serve_image
-from app.engine.predictor import CLASSIFY
+from app.api.image_flow import (
+    BODY_DOC,
+    KeepAlive,
+    ModelQuery,
+    Served,
+    Threshold,
+    TopK,
+    serve_image,
+)
+from app.engine.predictor import CLASSIFY, MULTILABEL
 from app.schemas import ClassifyResponse, ErrorResponse, PredictionOut
 
 router = APIRouter()
@@ -23,20 +31,35 @@ async def classify(
     top_k: TopK = 5,
     model: ModelQuery = None,
     keep_alive: KeepAlive = None,
+    threshold: Threshold = None,
 ) -> ClassifyResponse:
     return classification(await serve_image(request, model, keep_alive, CLASSIFY, top_k),
-                          top_k)
+                          top_k, threshold)
 
 
-def classification(served: Served, top_k: int) -> ClassifyResponse:
-    """The answer for one served image's ranking (also each line of the image stream)."""
+def classification(served: Served, top_k: int, threshold: float | None = None
+                   ) -> ClassifyResponse:
+    """The answer for one served image's ranking (also each line of the image stream):
+    the ``top_k`` best, or for a multilabel model every label above the threshold (the
+    request's, else the model's own)."""
     assert served.ranked is not None
-    top = served.ranked.top(top_k)
-    labels = served.model.labels
+    model = served.model
+    multilabel = model.task == MULTILABEL
+    cut = (model.threshold if threshold is None else threshold) if multilabel else None
+    ranked = served.ranked
+    if cut is None:
+        top = ranked.top(top_k)
+        indices, scores = top.indices, top.scores
+    else:
+        keep = ranked.scores > cut
+        indices, scores = ranked.indices[keep], ranked.scores[keep]
+    found = [PredictionOut(label=model.labels[int(i)], index=int(i), score=float(s))
+             for i, s in zip(indices, scores, strict=True)]
     return ClassifyResponse(
-        model=served.model.name,
-        predictions=[PredictionOut(label=labels[int(i)], index=int(i), score=float(s))
-                     for i, s in zip(top.indices, top.scores, strict=True)],
+        model=model.name,
+        predictions=found,
+        labels=found if multilabel else None,
+        threshold=cut,
         batch_size=served.batch_size,
         cached=served.batch_size is None,
         timing_ms=served.timing_ms(),

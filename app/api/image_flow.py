@@ -56,6 +56,9 @@ TopK = Annotated[int, Query(ge=1, le=1000, description="How many classes to retu
 ModelQuery = Annotated[str | None, Query(max_length=64, description="Model name (GET "
                                          "/v1/models); the --model one if omitted. A model "
                                          "not loaded yet is loaded first.")]
+Threshold = Annotated[float | None, Query(
+    gt=0, lt=1, description="A multilabel model only: the score a label needs to be in the "
+    "answer; default: the model's own.")]
 KeepAlive = Annotated[float | None, Query(
     ge=-1, le=86400 * 365, description="Seconds the model stays loaded after this request "
     "(-1: for ever, 0: unload when done); default: the keep_alive_s setting.")]
@@ -209,6 +212,18 @@ async def find_model(state: AppState, name: str | None,
                                        keep_alive_s)).model
 
 
+def check_task(model: LoadedModel, task: str) -> None:
+    """BadRequest when ``model`` cannot answer ``task``: an embedding model does not
+    classify, and a model without a final linear layer gives no features."""
+    if task == CLASSIFY and model.task == EMBED:
+        raise BadRequest(f"The model {model.name} gives image features only; send the image "
+                         "to /v1/embed.")
+    if task == EMBED and not model.feature_dim:
+        raise BadRequest(f"The model {model.name} cannot give image features (it has no "
+                         "final linear layer to take them from); use an EfficientNet-Lite "
+                         "model.")
+
+
 def just_loaded(name: str) -> Loading:
     return Loading(f"The model {name} has just been loaded, which took this request's "
                    "time; try again now.", retry_after=1)
@@ -273,10 +288,7 @@ async def serve_image(request: Request, model: str | None, keep_alive_s: float |
     deadline = time.monotonic() + state.settings.request_timeout_s
     waits = not is_loaded(state, model)
     loaded = await find_model(state, model, keep_alive_s)
-    if task == EMBED and not loaded.feature_dim:
-        raise BadRequest(f"The model {loaded.name} cannot give image features (it has no "
-                         "final linear layer to take them from); use an EfficientNet-Lite "
-                         "model.")
+    check_task(loaded, task)
     with admit_after(state, loaded, deadline, waits) as place, \
             in_time_left_by_load(loaded.name, waits):
         return await serve_in_place(request, loaded, place, await read_upload(request),

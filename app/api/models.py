@@ -15,7 +15,7 @@ from app.engine.view import ModelFigures
 from app.errors import NotFound
 from app.gates.admin_token import require_admin
 from app.http.state import state_of
-from app.models import CatalogueEntry, catalogue
+from app.models import CatalogueEntry
 from app.schemas import BatchFitOut, BatchTimingOut, ErrorResponse, ModelOut, ModelsResponse
 
 router = APIRouter()
@@ -51,8 +51,9 @@ def _loaded(model: ModelFigures) -> dict[str, object]:
 @router.get("/v1/models", response_model=ModelsResponse,
             summary="The models this vramguard can serve, loaded or not")
 async def models(request: Request) -> ModelsResponse:
-    view = state_of(request).engine.view()
-    entries = {e.name: e for e in catalogue()}
+    engine = state_of(request).engine
+    view = engine.view()
+    entries = {e.name: e for e in engine.sources.catalogue(fresh=True)}
     for name, loaded in view.models.items():  # a --model outside the catalogue (own weights)
         entries.setdefault(name, CatalogueEntry(name, "torchvision", loaded.crop, True, ""))
     out = []
@@ -61,7 +62,9 @@ async def models(request: Request) -> ModelsResponse:
         fields = _loaded(figures) if figures is not None else {
             "state": "loading" if name in view.loading else "available"}
         out.append(ModelOut(name=name, family=entry.family, input_size=entry.input_size,
-                            installed=entry.installed, note=entry.note, **fields))
+                            installed=entry.installed, note=entry.note, task=entry.task,
+                            format=entry.format or entry.family, labels=entry.labels,
+                            **fields))
     return ModelsResponse(models=out)
 
 

@@ -34,13 +34,12 @@ from app.api.oip_codec import (
 )
 from app.api.oip_infer import VERSION, serve_inference
 from app.engine.engine import InferenceEngine
+from app.engine.predictor import EMBED
 from app.engine.runtime import still_loading, unknown_model
 from app.engine.view import EngineView
 from app.errors import ApiError, BadRequest, NotFound, NotReady
 from app.gates import error_response
 from app.http.state import AppState, state_of
-from app.models import catalogue
-from app.models.features import IMAGENET_CLASSES
 from app.schemas_oip import (
     InferResponse,
     Live,
@@ -167,26 +166,28 @@ class _Facts:
     crop: int
     classes: int
     features: int  # 0: none; -1: not known until loaded
+    task: str = "classify"
 
 
 def _facts(engine: InferenceEngine, name: str) -> _Facts:
     """What is known of a model without loading it: everything once loaded, else what the
-    catalogue says (ImageNet's classes; the feature length only the loaded model gives)."""
+    catalogue says (its labels; the feature length only the loaded model gives)."""
     if not engine.knows(name):
         raise unknown_model(name)
     view = engine.view()
     loaded = view.models.get(name)
     if loaded is None:
-        entry = next((e for e in catalogue() if e.name == name), None)
+        entry = engine.sources.entry(name)
         if entry is not None:
-            return _Facts(entry.input_size, IMAGENET_CLASSES, -1)
+            return _Facts(entry.input_size, entry.labels, -1, entry.task)
         loaded = view.loaded(name)  # raises: a --model(s) one, not loaded
-    return _Facts(loaded.crop, loaded.classes, loaded.features)
+    return _Facts(loaded.crop, loaded.classes, loaded.features, loaded.task)
 
 
 def _metadata(state: AppState, name: str) -> ModelMetadata:
     facts = _facts(state.engine, name)
-    outputs = [TensorMetadata(name=PROBABILITIES, datatype=FP32, shape=[-1, facts.classes])]
+    outputs = [] if facts.task == EMBED else [
+        TensorMetadata(name=PROBABILITIES, datatype=FP32, shape=[-1, facts.classes])]
     if facts.features:
         outputs.append(TensorMetadata(name=EMBEDDING, datatype=FP32,
                                       shape=[-1, facts.features]))
@@ -213,7 +214,7 @@ def _ready(request: Request, name: str, version: str) -> Response:
         if name in view.loading and not loaded:
             raise still_loading(name, engine.loader.times.seconds_left(name))
         if not loaded:
-            entry = next((e for e in catalogue() if e.name == name), None)
+            entry = engine.sources.entry(name)
             if entry is None:
                 view.loaded(name)
             elif not entry.installed:

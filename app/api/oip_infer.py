@@ -47,6 +47,9 @@ T = TypeVar("T")
 def _plan(parsed: InferRequest, model: LoadedModel) -> Ask:
     """What each image of the request is asked for, from the outputs it names."""
     names = {want.name for want in parsed.outputs}
+    if model.task == EMBED and PROBABILITIES in names:
+        raise BadRequest(f"The model {model.name} gives image features only: ask for the "
+                         f"{EMBEDDING} output.")
     if EMBEDDING in names and not model.feature_dim:
         raise BadRequest(f"The model {model.name} has no {EMBEDDING} output (no final linear "
                          "layer to take features from); use an EfficientNet-Lite model.")

@@ -54,7 +54,9 @@ from app.api.image_flow import (
     KeepAlive,
     ModelQuery,
     Served,
+    Threshold,
     TopK,
+    check_task,
     find_model,
     serve_in_place,
 )
@@ -112,6 +114,7 @@ class Options:
     keep_alive_s: float | None
     top_k: int
     embed: bool
+    threshold: float | None = None
 
 
 class StreamRun:
@@ -261,7 +264,8 @@ class StreamRun:
             body_dropped(self.request.scope, held)
 
     def _result(self, served: Served) -> dict[str, Any]:
-        result = classification(served, self.options.top_k).model_dump(mode="json")
+        result = classification(served, self.options.top_k,
+                                self.options.threshold).model_dump(mode="json")
         if served.embedding is not None:
             result["dimensions"] = len(served.embedding)
             result["embedding"] = [round(float(v), 7) for v in served.embedding]
@@ -317,11 +321,14 @@ async def classify_stream(
     embed: Annotated[bool, Query(description="Also each image's features (as /v1/embed "
                                  "gives them), from the same forward pass; not from the "
                                  "result cache.")] = False,
+    threshold: Threshold = None,
 ) -> ImageStream:
     boundary = boundary_of(request)
     loaded = await find_model(state_of(request), model, keep_alive)
+    check_task(loaded, CLASSIFY)
     if embed and not loaded.feature_dim:
         raise BadRequest(f"The model {loaded.name} cannot give image features; use an "
                          "EfficientNet-Lite model or leave out embed.")
     sse = SSE in request.headers.get("accept", "")
-    return ImageStream(request, Options(model, keep_alive, top_k, embed), boundary, sse)
+    return ImageStream(request, Options(model, keep_alive, top_k, embed, threshold), boundary,
+                       sse)

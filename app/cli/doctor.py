@@ -24,7 +24,7 @@ def run_doctor(settings: Settings, config_file: Path) -> int:
     from app.engine.residency import needed
     from app.memory.diagnostics import IDLE_PERIOD_S, cache_verdict, leak_check_verdict
     from app.memory.probes import CpuProbe
-    from app.models import ModelLoadError, catalogue
+    from app.models import ModelLoadError
     from app.units import human_bytes
 
     line = checks.add
@@ -56,7 +56,7 @@ def run_doctor(settings: Settings, config_file: Path) -> int:
          f"{runtime.model.name} takes {human_bytes(needed([runtime.footprint]))} with its "
          f"largest batch, leaving {human_bytes(max(0, room - needed([runtime.footprint])))} "
          "for other models (idle ones are unloaded when a request needs the room)")
-    entries = catalogue()
+    entries = engine.sources.catalogue(fresh=True)
     line("models", ", ".join(e.name for e in entries if e.installed))
     for entry in entries:
         if not entry.installed:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from app import __version__
+from app.cli.models_command import add_models_parser, run_models
 from app.cli.serve_options import add_setting_options
 from app.config import ConfigError, Settings, config_file_in_use, load_settings
 
@@ -64,7 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
     stop.add_argument("--timeout-s", type=float, default=30.0,
                       help="How long to let it finish queued work before ending it.")
     _add_classify(commands)
+    add_models_parser(commands, _add_models_dir)
     return parser
+
+
+def _add_models_dir(parser: argparse.ArgumentParser) -> None:
+    _add_config(parser)
+    add_setting_options(parser, ("models_dir",))
 
 
 def _add_classify(commands: Any) -> None:
@@ -108,7 +115,8 @@ def _top_k(text: str) -> int:
 
 
 # options that are not settings
-CLI_ONLY = ("command", "config", "timeout_s", "launched_by", "keep_server")
+CLI_ONLY = ("command", "config", "timeout_s", "launched_by", "keep_server", "action", "path",
+            "name")
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -139,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"vramguard: {exc}", file=sys.stderr)
         return 2
+    if args.command == "models":
+        return run_models(args, settings)
     from app.cli.process_control import serve, stop, tray_command
 
     if args.command == "serve":

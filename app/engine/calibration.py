@@ -42,7 +42,8 @@ from app.memory.fit import fit_linear
 from app.memory.guard import MemoryGuard
 from app.memory.probes import Probe
 from app.memory.trim import give_back_to_os
-from app.models import LoadedModel, resolve_weights
+from app.models import LoadedModel
+from app.models.own.trial import folder_bytes
 from app.models.registry import fingerprint
 
 log = logging.getLogger("vramguard.engine")
@@ -54,8 +55,9 @@ class Calibration:
     """Measures models (or reuses their profiles) into runtimes, and predicts footprints."""
 
     def __init__(self, settings: Settings, models: LoadedModels, profiles: ProfileStore,
-                 clock: Clock) -> None:
+                 clock: Clock, locate: Callable[[str, Path | None], Path]) -> None:
         self.settings = settings
+        self._locate = locate  # a model's weights file, or an own model's folder
         self.models = models
         self.profiles = profiles
         self._clock = clock
@@ -66,8 +68,8 @@ class Calibration:
         return ProfileKey(name, weights_version, device, driver, torch.__version__)
 
     def weights_path(self, name: str) -> Path:
-        return resolve_weights(name, self.settings.weights if name == self.settings.model
-                               else None)
+        return self._locate(name, self.settings.weights if name == self.settings.model
+                            else None)
 
     def guess(self, name: str) -> Footprint:
         """What ``name`` will take: its stored profile's weights and batch, else its weights
@@ -78,13 +80,14 @@ class Calibration:
             stat = path.stat()
         except Exception:
             return Footprint(0, 0)
-        version = self._fingerprints.get((path, stat.st_mtime_ns, stat.st_size))
+        size = folder_bytes(path) if path.is_dir() else stat.st_size  # an own model's folder
+        version = self._fingerprints.get((path, stat.st_mtime_ns, size))
         if version is None:
             version = fingerprint(path)
-            self._fingerprints[(path, stat.st_mtime_ns, stat.st_size)] = version
+            self._fingerprints[(path, stat.st_mtime_ns, size)] = version
         stored = self.profiles.get(self.profile_key(name, version))
         if stored is None or stored.out_of_memory_on_load:
-            return Footprint(stat.st_size, 0)
+            return Footprint(size, 0)
         size = min(self.settings.batch_size or stored.chosen_batch_size, stored.points[-1][0])
         return Footprint(stored.weights_bytes, stored.footprint_peak(size))
 

@@ -62,7 +62,9 @@ from app.engine.view import EngineView, build_view
 from app.errors import InsufficientMemory, NotFound
 from app.memory.allocations import LargeAllocationWatch
 from app.memory.probes import MemoryReading, Probe, make_probe
-from app.models import LoadedModel, in_catalogue, load_model
+from app.models import LoadedModel
+from app.models.own.store import OwnModels
+from app.models.sources import ModelSources, is_builtin
 from app.schemas import MemoryReport
 from app.units import human_bytes
 
@@ -79,15 +81,17 @@ class InferenceEngine:
     ``start`` must finish before ``classify``."""
 
     def __init__(self, settings: Settings, *, probe_factory: ProbeFactory = make_probe,
-                 model_loader: ModelLoader = load_model, clock: Clock = time.monotonic
-                 ) -> None:
+                 model_loader: ModelLoader | None = None, clock: Clock = time.monotonic,
+                 sources: ModelSources | None = None) -> None:
         self.settings = settings
+        self.sources = sources or ModelSources(OwnModels(
+            settings.models_dir, timeout_s=settings.model_check_timeout_s, reserved=is_builtin))
         self.device = resolve_device(settings.device)
         self.cpu_instead_of_gpu = cpu_fallback_reason(settings.device)
         self.health = Health()
         self.paused = False
         self._clock = clock
-        self._model_loader = model_loader
+        self._model_loader = model_loader or self.sources.load
         self._loading: dict[str, asyncio.Future[Runtime]] = {}
         self._load_rate = LoadRate(settings.max_loads_per_minute, clock)
         wait_s = settings.max_wait_ms / 1000 if settings.max_wait_ms is not None else (
@@ -96,7 +100,8 @@ class InferenceEngine:
             max_wait_s=wait_s, queue_size=settings.queue_size)
         self.models = LoadedModels(settings, self.device, probe_factory)
         self.profiles = ProfileStore(settings.profile_dir)
-        self.calibration = Calibration(settings, self.models, self.profiles, clock)
+        self.calibration = Calibration(settings, self.models, self.profiles, clock,
+                                       self.sources.weights_path)
         allocations = LargeAllocationWatch(int(settings.large_allocation_bytes))
         self.reports = MemoryReports(self.models, allocations, self.cpu_instead_of_gpu)
         # Each step looked up at each call: a test or the GPU check may wrap it.
@@ -169,11 +174,6 @@ class InferenceEngine:
         """The ``--model`` one's runtime when it is loaded, else any loaded model's."""
         return self.models.primary
 
-    @property
-    def loading(self) -> set[str]:
-        """Models being loaded now."""
-        return set(self._loading)
-
     def not_ready_message(self) -> str:
         return self.health.not_ready_message()
 
@@ -197,7 +197,7 @@ class InferenceEngine:
 
     def knows(self, name: str) -> bool:
         """Whether ``name`` is a model this vramguard may load (never a path)."""
-        return name == self.settings.model or name in self.settings.models or in_catalogue(name)
+        return name in (self.settings.model, *self.settings.models) or self.sources.knows(name)
 
     async def start(self) -> None:
         """Load the ``--model`` and ``--models`` ones and warm them up on the device thread;
@@ -208,6 +208,7 @@ class InferenceEngine:
         try:
             self.phase = Phase.LOADING
             for name in names:
+                await asyncio.to_thread(self.sources.check, name)  # off loop and device
                 await self.on_device(functools.partial(self.loader.load, name, True))
         except InsufficientMemory as exc:
             log.warning("%s", exc.message)
@@ -264,7 +265,9 @@ class InferenceEngine:
 
     async def _load(self, name: str) -> Runtime:
         self._load_rate.take()
+        await asyncio.to_thread(self.sources.check, name)  # off loop and device
         return await self.on_device(functools.partial(self.loader.load, name, False, True))
+
 
     async def unload(self, name: str) -> None:
         """Unload ``name`` now (an admin's choice, pinned or not); Conflict while it has

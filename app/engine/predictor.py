@@ -1,4 +1,5 @@
-"""The forward pass: stack, run the model, softmax and top-k on the device.
+"""The forward pass: stack, run the model, softmax (a multilabel model: a sigmoid per
+label) and top-k on the device; an embedding model's output is its features.
 
 Only the small ranked result is copied back to the host. On CUDA the batch is stacked
 into a reused pinned (page-locked) host buffer and copied to the GPU asynchronously:
@@ -20,6 +21,7 @@ CUDNN_BENCHMARK = False  # why: see Predictor.__init__
 
 
 CLASSIFY, EMBED = "classify", "embed"  # what a request wants from the forward pass
+MULTILABEL = "multilabel"  # a model's task besides those two: a sigmoid per label
 
 
 @dataclass(frozen=True)
@@ -136,32 +138,42 @@ class Predictor:
         """The whole batch call serving pays: stack, copy to the device, forward pass,
         softmax and top-k, copy back (which waits for the device: the call is
         synchronised)."""
-        classes = self.model.num_classes
-        k = classes if self.keep_all else min(classes, max(s.top_k for s in samples))
+        model = self.model
+        classes = model.num_classes
+        # every label of a multilabel model: the route keeps those above the threshold
+        everything = self.keep_all or model.task == MULTILABEL
+        k = classes if everything else min(classes, max(s.top_k for s in samples))
         pixels = [s.pixels for s in samples]
         if self.staging is None:
-            batch = torch.stack(pixels).to(self.model.device)
+            batch = torch.stack(pixels).to(model.device)
         else:
-            batch = self.staging.upload(pixels, self.model.device)
-        embedded: list[np.ndarray | None] = [None] * len(samples)
+            batch = self.staging.upload(pixels, model.device)
+        size = len(samples)
+        embedded: list[np.ndarray | None] = [None] * size
         with torch.inference_mode():
+            if model.task == EMBED:  # the model's output is its features
+                out = torch.nn.functional.normalize(model.module(batch).float(), dim=-1)
+                vectors = out.cpu().numpy()
+                empty = Ranked(np.zeros(0, np.int64), np.zeros(0, np.float32))
+                return [Prediction(empty, size, vectors[i]) for i in range(size)]
             if any(s.task == EMBED for s in samples):
-                with tap_features(self.model.module) as tap:
-                    logits = self.model.module(batch)
+                with tap_features(model.module, classes) as tap:
+                    logits = model.module(batch)
                 features = torch.nn.functional.normalize(tap.features.float(), dim=-1)
                 rows = features.cpu().numpy()
                 embedded = [rows[i] if s.task == EMBED else None
                             for i, s in enumerate(samples)]
             else:
-                logits = self.model.module(batch)
-            probs = logits.float().softmax(dim=-1)
+                logits = model.module(batch)
+            logits = logits.float()
+            probs = logits.sigmoid() if model.task == MULTILABEL else logits.softmax(dim=-1)
             scores, indices = probs.topk(k, dim=-1)
             scores, indices = scores.cpu().numpy(), indices.cpu().numpy()
-        size = len(samples)
         return [Prediction(Ranked(indices[i], scores[i]), size, embedded[i])
                 for i in range(size)]
 
     def random_batch(self, size: int) -> list[Sample]:
         """Inputs of the real shape for warmup; their content does not matter."""
-        crop = self.model.preprocessing.crop
-        return [Sample(torch.randn(3, crop, crop), 1) for _ in range(size)]
+        spec = self.model.preprocessing
+        return [Sample(torch.randn(spec.channels, spec.crop, spec.crop), 1)
+                for _ in range(size)]

@@ -41,6 +41,7 @@ class ModelFigures:
     crop: int
     classes: int
     features: int
+    task: str  # "classify", "multilabel" or "embed"
     weights_bytes: int
     fixed_bytes: int
     bytes_per_sample: int
@@ -135,7 +136,7 @@ def model_figures(name: str, runtime: Runtime, models: LoadedModels, now: float
     return ModelFigures(
         name=name, device=str(loaded.device), weights_file=str(loaded.weights_file),
         weights_version=loaded.weights_version, crop=loaded.preprocessing.crop,
-        classes=loaded.num_classes, features=loaded.feature_dim,
+        classes=loaded.num_classes, features=loaded.feature_dim, task=loaded.task,
         weights_bytes=runtime.memory.weights_bytes, fixed_bytes=guard.fit.fixed_bytes,
         bytes_per_sample=guard.fit.bytes_per_sample, max_batch=size,
         images_per_second=size / line.seconds(size) if line is not None

@@ -182,11 +182,18 @@ def decode_image(data: bytes, max_pixels: int, shrink_to: int | None = None) -> 
     return decode(open_image(data, max_pixels, shrink_to), shrink_to=shrink_to)
 
 
+RESAMPLING = {"nearest": Image.Resampling.NEAREST, "bilinear": Image.Resampling.BILINEAR,
+              "bicubic": Image.Resampling.BICUBIC, "lanczos": Image.Resampling.LANCZOS,
+              "box": Image.Resampling.BOX, "hamming": Image.Resampling.HAMMING}
+
+
 def model_patch(opened: Opened, spec: Preprocessing) -> bytes:
-    """The model's centre crop as 8-bit RGB (crop x crop x 3 bytes, row by row), decoding
-    only that crop and shrinking it before converting it."""
+    """The model's centre crop as 8-bit RGB, or grey for a one-channel model (crop x crop
+    x channels bytes, row by row), decoding only that crop and shrinking it before
+    converting it."""
     image = decode(opened, crop=spec.crop / spec.resize, shrink_to=spec.crop)
-    return image.resize((spec.crop, spec.crop), Image.Resampling.BILINEAR).tobytes()
+    patch = image.resize((spec.crop, spec.crop), RESAMPLING[spec.interpolation])
+    return (patch.convert("L") if spec.channels == 1 else patch).tobytes()
 
 
 def _centre_square(size: tuple[int, int], share: float) -> tuple[int, int, int, int]:

@@ -1,6 +1,6 @@
 """Model registry: build a classifier by name, load its weights, know its labels."""
 
-from app.models.catalogue import CatalogueEntry, catalogue, in_catalogue
+from app.models.catalogue import CatalogueEntry, builtin_catalogue
 from app.models.features import FeatureTap, feature_dim, tap_features
 from app.models.registry import DEFAULT_MODEL, available_models, load_model, resolve_weights
 from app.models.types import LoadedModel, ModelLoadError
@@ -12,9 +12,8 @@ __all__ = [
     "LoadedModel",
     "ModelLoadError",
     "available_models",
-    "catalogue",
+    "builtin_catalogue",
     "feature_dim",
-    "in_catalogue",
     "load_model",
     "resolve_weights",
     "tap_features",

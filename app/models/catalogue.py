@@ -1,4 +1,4 @@
-"""The models this computer can serve, cheaply enough to list on every HTTP request.
+"""The built-in models this computer can serve, cheaply enough to list on every request.
 
 Lists the EfficientNet-Lite models always (installed or not, with the reason when not)
 and the torchvision classifiers whose weights file already sits in torchvision's
@@ -21,10 +21,13 @@ class CatalogueEntry:
     """One model the appliance knows; ``note`` says in plain words why it is not installed."""
 
     name: str
-    family: str  # "efficientnet_lite" or "torchvision"
+    family: str  # "efficientnet_lite", "torchvision" or "own"
     input_size: int  # the square crop the model takes, in pixels
     installed: bool
     note: str
+    task: str = "classify"  # "classify", "multilabel" or "embed"
+    format: str = ""  # an own model's format (timm, onnx, ...); a built-in's is its family
+    labels: int = 1000  # how many labels it answers with (ImageNet's for the built-in ones)
 
 
 def _lite_entries() -> list[CatalogueEntry]:
@@ -37,7 +40,7 @@ def _lite_entries() -> list[CatalogueEntry]:
         else:
             installed, note = True, ""
         entries.append(CatalogueEntry(name, efficientnet_lite.FAMILY, variant.crop,
-                                      installed, note))
+                                      installed, note, format=efficientnet_lite.FAMILY))
     return entries
 
 
@@ -54,16 +57,13 @@ def _torchvision_entries() -> list[CatalogueEntry]:
     present = _local_files()
     if not present:  # nothing downloaded: no need to ask torchvision (slow to import)
         return []
-    return [CatalogueEntry(name, torchvision_models.FAMILY, input_size, True, "")
+    return [CatalogueEntry(name, torchvision_models.FAMILY, input_size, True, "",
+                           format=torchvision_models.FAMILY)
             for name, (filename, input_size) in torchvision_models.expected_files().items()
             if filename in present]
 
 
-def catalogue() -> list[CatalogueEntry]:
-    """The Lite models (always), then every torchvision classifier with local weights."""
+def builtin_catalogue() -> list[CatalogueEntry]:
+    """The Lite models (always), then every torchvision classifier with local weights;
+    own models join them in ``app.models.sources``."""
     return [*_lite_entries(), *_torchvision_entries()]
-
-
-def in_catalogue(name: str) -> bool:
-    """Whether ``name`` is exactly the name of a model ``catalogue()`` lists."""
-    return any(entry.name == name for entry in catalogue())

@@ -16,6 +16,7 @@ import torch
 
 from app.models import efficientnet_lite, torchvision_models
 from app.models.features import feature_dim
+from app.models.own.store import fingerprint_folder
 from app.models.types import LoadedModel, ModelLoadError
 
 log = logging.getLogger("vramguard.models")
@@ -41,7 +42,10 @@ def available_models() -> list[str]:
 
 
 def fingerprint(path: Path) -> str:
-    """Short content hash of a weights file: part of the result-cache key."""
+    """Short content hash of a weights file, or of an own model's whole folder: part of
+    the result-cache key and of the profile's."""
+    if path.is_dir():
+        return fingerprint_folder(path)
     digest = hashlib.sha256()
     with path.open("rb") as handle:
         for chunk in iter(lambda: handle.read(1 << 20), b""):
@@ -89,4 +93,5 @@ def load_model(name: str, device: torch.device, weights: Path | None = None) -> 
         weights_version=fingerprint(path),
         device=device,
         feature_dim=features,
+        family=efficientnet_lite.FAMILY if lite else torchvision_models.FAMILY,
     )

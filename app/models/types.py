@@ -30,6 +30,12 @@ class LoadedModel:
     # no final linear layer to take them from (SqueezeNet classifies with a convolution).
     # A default, so stand-in models built without a registry need not know it.
     feature_dim: int = 0
+    # What the model answers: "classify" (softmax over labels), "multilabel" (a sigmoid
+    # per label, those above ``threshold``) or "embed" (its output is the features).
+    task: str = "classify"
+    threshold: float = 0.5
+    # Where it came from: "efficientnet_lite", "torchvision" or an own model's format.
+    family: str = "built-in"
 
     @property
     def num_classes(self) -> int:

@@ -44,8 +44,12 @@ export interface ModelOptions extends CallOptions {
 }
 
 export interface ClassifyOptions extends ModelOptions {
-  /** How many classes to return, 1–1000. Default 5 (the server's). */
+  /** How many classes to return, 1–1000. Default 5 (the server's). A multilabel model
+   * ignores it: it answers every label above `threshold`. */
   topK?: number;
+  /** A multilabel model only (other models ignore it): the score, between 0 and 1 (both
+   * excluded), a label needs to be in the answer. Default: the model's own. */
+  threshold?: number;
 }
 
 export type EmbedOptions = ModelOptions;
@@ -59,7 +63,15 @@ export interface Prediction {
 
 export interface ClassifyResult {
   model: string;
+  /** The most likely classes, best first; for a multilabel model the same as `labels`. */
   predictions: Prediction[];
+  /** A multilabel model only (a model that names every label that fits the picture, not
+   * one class): every label scored above `threshold`, best first, maybe none. Null for
+   * any other model. */
+  labels: Prediction[] | null;
+  /** A multilabel model only: the score a label needed (the request's `threshold`, else
+   * the model's own). Null for any other model. */
+  threshold: number | null;
   /** Images computed together with this one; null for an answer from the result cache. */
   batch_size: number | null;
   cached: boolean;
@@ -93,6 +105,15 @@ export interface ModelInfo {
   input_size: number;
   installed: boolean;
   note: string;
+  /** `"classify"`, `"multilabel"` (every label above a threshold) or `"embed"` (image
+   * features only: `embed()`; `classify()` gets a `BadRequest`). */
+  task: string;
+  /** Where it comes from: `"efficientnet_lite"`, `"torchvision"`, or an own model's
+   * format (`"timm"`, `"timm-hf"`, `"transformers"`, `"torchscript"`, `"export"`,
+   * `"onnx"`). */
+  format: string;
+  /** How many labels it answers with (0 for an `"embed"` model). */
+  labels: number;
   pinned: boolean;
   keep_alive_s: number | null;
   expires_in_s: number | null;
@@ -252,7 +273,7 @@ export declare class VramguardError extends Error {
 
 /** 400: empty body, not an image, damaged or truncated file. */
 export declare class BadImage extends VramguardError {}
-/** 400: e.g. an invalid `topK`. */
+/** 400: e.g. an invalid `topK` or `threshold`, or `classify` with an `"embed"` model. */
 export declare class BadRequest extends VramguardError {}
 /** 401: an admin endpoint without the right token. */
 export declare class Unauthorized extends VramguardError {}

@@ -160,10 +160,11 @@ export class Client {
     return this.location.url;
   }
 
-  /** The most likely classes of one image (POST /v1/classify). */
-  async classify(image, { topK, model, keepAlive, signal, timeoutMs } = {}) {
+  /** The most likely classes of one image (POST /v1/classify); for a multilabel model,
+   * every label scored above `threshold` (the model's own when omitted). */
+  async classify(image, { topK, model, keepAlive, threshold, signal, timeoutMs } = {}) {
     const { body, contentType } = await imageBody(image);
-    const path = `/v1/classify${query({ top_k: topK, model, keep_alive: keepAlive })}`;
+    const path = `/v1/classify${query({ top_k: topK, model, keep_alive: keepAlive, threshold })}`;
     return this.#send("POST", path, { body, contentType, signal, timeoutMs, paced: true });
   }
 

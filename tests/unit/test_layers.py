@@ -1,7 +1,9 @@
 """Imports point down the request path, never up.
 
-Layers, lowest first: the basics (errors, units, config, the schemas, preprocessing,
-this computer's files in ``app/host``, the metric registry) ← memory and models ←
+Layers, lowest first: the basics (errors, units, config, the schemas, preprocessing and
+the pure image functions that follow it, ``app/imaging``'s decoding, pixels and checks,
+which an own model's check runs an image through; this computer's files in
+``app/host``, the metric registry) ← memory and models ←
 engine ← imaging ←
 the request's context (scope, state, counts, live feed), gates and routes ← the server's
 assembly and the metrics collector ← the command line and the cluster. A module may
@@ -24,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # (layer, module prefixes); the longest matching prefix decides.
 LAYERS: tuple[tuple[int, tuple[str, ...]], ...] = (
     (0, ("app", "app.errors", "app.units", "app.config", "app.schemas", "app.preprocessing",
-         "app.schemas_oip", "app.host", "app.observe.registry", "app.vocabulary")),
+         "app.schemas_oip", "app.host", "app.observe.registry", "app.vocabulary",
+         "app.imaging.decoding", "app.imaging.pixels", "app.imaging.checks")),
     (1, ("app.memory", "app.models")),
     (2, ("app.engine",)),
     (3, ("app.imaging",)),

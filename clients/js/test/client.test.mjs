@@ -73,6 +73,43 @@ describe("requests", () => {
     assert.equal(calls[0].headers.get("x-client-id"), null);
   });
 
+  it("a multilabel model's answer: its labels and threshold; threshold only when given", async () => {
+    const tags = [{ label: "dog", index: 3, score: 0.91 }, { label: "grass", index: 7, score: 0.62 }];
+    const tagged = { ...CLASSIFIED, model: "my-tagger", predictions: tags, labels: tags, threshold: 0.4 };
+    const { fetch, calls } = fakeFetch((call) => jsonResponse(
+      call.url.includes("my-tagger") ? tagged : { ...CLASSIFIED, labels: null, threshold: null }));
+    const client = new Client({ fetch });
+    const result = await client.classify(JPEG, { model: "my-tagger", threshold: 0.4 });
+    assert.deepEqual(result.labels, tags);
+    assert.deepEqual(result.predictions, result.labels);
+    assert.equal(result.threshold, 0.4);
+    const single = await client.classify(JPEG, { topK: 2 });
+    assert.equal(single.labels, null);
+    assert.equal(single.threshold, null);
+    const streamed = [];
+    for await (const item of client.classifyStream([JPEG, JPEG], { model: "my-tagger", threshold: 0.25 })) {
+      streamed.push(item.result);
+    }
+    assert.ok(streamed.every((r) => r.labels.length === 2));
+    assert.deepEqual(calls.map((c) => c.url.replace("http://127.0.0.1:8765", "")), [
+      "/v1/classify?model=my-tagger&threshold=0.4",
+      "/v1/classify?top_k=2",
+      "/v1/classify?model=my-tagger&threshold=0.25",
+      "/v1/classify?model=my-tagger&threshold=0.25",
+    ]);
+  });
+
+  it("models() says each model's task, format and labels; classify on an embed model is BadRequest", async () => {
+    const listed = { models: [{ name: "my-embedder", state: "available", family: "own", input_size: 224,
+      installed: true, note: "", task: "embed", format: "onnx", labels: 0 }] };
+    const { fetch } = fakeFetch((call) => (call.url.endsWith("/v1/models") ? jsonResponse(listed)
+      : errorResponse(400, "bad_request", "The model my-embedder gives image features only")));
+    const client = new Client({ fetch });
+    const [embedder] = (await client.models()).models;
+    assert.deepEqual([embedder.task, embedder.format, embedder.labels], ["embed", "onnx", 0]);
+    await assert.rejects(client.classify(JPEG, { model: "my-embedder" }), vg.BadRequest);
+  });
+
   it("accepts a Blob, an ArrayBuffer, a Uint8Array, a Buffer and other views", async () => {
     const { fetch, calls } = fakeFetch(() => jsonResponse(CLASSIFIED));
     const client = new Client({ fetch });

@@ -130,12 +130,13 @@ class AsyncClient:
                                           headers={"Authorization": f"Bearer {token}"}))
 
     async def classify(self, image: ImageInput, top_k: int = 5, model: str | None = None,
-                       *, keep_alive: float | None = None,
+                       *, keep_alive: float | None = None, threshold: float | None = None,
                        timeout: float | None = None) -> types.Classification:
-        """The image's ``top_k`` most likely classes."""
+        """The image's ``top_k`` most likely classes (as ``Client.classify``; a multilabel
+        model: every label above ``threshold``)."""
         answer = await self._send(self._call(timeout, paced=True), "POST", "/v1/classify",
                                   content=await _upload(image), headers=OCTETS,
-                                  params=image_params(top_k, model, keep_alive))
+                                  params=image_params(top_k, model, keep_alive, threshold))
         return types.classification(json_body(answer))
 
     async def embed(self, image: ImageInput, model: str | None = None, *,
@@ -147,16 +148,18 @@ class AsyncClient:
                                   params=image_params(None, model, keep_alive))
         return types.embedding(json_body(answer))
 
-    async def _outcome(self, index: int, image: ImageInput, top_k: int,
-                       model: str | None) -> types.Outcome[types.Classification]:
+    async def _outcome(self, index: int, image: ImageInput, top_k: int, model: str | None,
+                       threshold: float | None) -> types.Outcome[types.Classification]:
         try:
-            return types.Outcome(index, image, result=await self.classify(image, top_k, model))
+            result = await self.classify(image, top_k, model, threshold=threshold)
+            return types.Outcome(index, image, result=result)
         except (VramguardError, OSError) as exc:
             return types.Outcome(index, image, error=exc)
 
     async def classify_many(self, images: Iterable[ImageInput] | AsyncIterable[ImageInput],
                             top_k: int = 5, model: str | None = None, *,
                             concurrency: int = 4, on_progress: Progress | None = None,
+                            threshold: float | None = None,
                             ) -> AsyncIterator[types.Outcome[types.Classification]]:
         """As ``Client.classify_many``, an async iterator; ``images`` may be async too."""
         if concurrency < 1:
@@ -174,7 +177,7 @@ class AsyncClient:
                         more = False
                     else:
                         pending.add(asyncio.create_task(
-                            self._outcome(index, image, top_k, model)))
+                            self._outcome(index, image, top_k, model, threshold)))
                 if not pending:
                     return
                 finished, pending = await asyncio.wait(pending,

@@ -75,9 +75,12 @@ def headers_for(client_id: str | None) -> dict[str, str]:
     return headers
 
 
-def image_params(top_k: int | None, model: str | None,
-                 keep_alive: float | None) -> dict[str, Any]:
-    params = {"top_k": top_k, "model": model, "keep_alive": keep_alive}
+def image_params(top_k: int | None, model: str | None, keep_alive: float | None,
+                 threshold: float | None = None) -> dict[str, Any]:
+    """The query of an image request: only what the caller gave (the server's defaults
+    for the rest)."""
+    params = {"top_k": top_k, "model": model, "keep_alive": keep_alive,
+              "threshold": threshold}
     return {key: value for key, value in params.items() if value is not None}
 
 

@@ -118,13 +118,14 @@ class Client:
                                     headers={"Authorization": f"Bearer {token}"}))
 
     def classify(self, image: ImageInput, top_k: int = 5, model: str | None = None, *,
-                 keep_alive: float | None = None,
+                 keep_alive: float | None = None, threshold: float | None = None,
                  timeout: float | None = None) -> types.Classification:
         """The image's ``top_k`` most likely classes (``model``: any name ``models()``
-        lists; the appliance's default when None)."""
+        lists; the appliance's default when None). A multilabel model answers every label
+        scored above ``threshold`` instead (between 0 and 1; None: the model's own)."""
         answer = self._send(self._call(timeout, paced=True), "POST", "/v1/classify",
                             content=image_bytes(image), headers=OCTETS,
-                            params=image_params(top_k, model, keep_alive))
+                            params=image_params(top_k, model, keep_alive, threshold))
         return types.classification(json_body(answer))
 
     def embed(self, image: ImageInput, model: str | None = None, *,
@@ -137,7 +138,7 @@ class Client:
 
     def classify_many(self, images: Iterable[ImageInput], top_k: int = 5,
                       model: str | None = None, *, concurrency: int = 4,
-                      on_progress: Progress | None = None,
+                      on_progress: Progress | None = None, threshold: float | None = None,
                       ) -> Iterator[types.Outcome[types.Classification]]:
         """Classify ``images`` with up to ``concurrency`` requests at once, yielding each
         ``Outcome`` as it finishes (its ``index`` says which input it was). One image's
@@ -148,7 +149,8 @@ class Client:
 
         def one(index: int, image: ImageInput) -> types.Outcome[types.Classification]:
             try:
-                return types.Outcome(index, image, result=self.classify(image, top_k, model))
+                result = self.classify(image, top_k, model, threshold=threshold)
+                return types.Outcome(index, image, result=result)
             except (VramguardError, OSError) as exc:
                 return types.Outcome(index, image, error=exc)
 

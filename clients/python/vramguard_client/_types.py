@@ -21,15 +21,26 @@ class Prediction:
 
 @dataclass(frozen=True)
 class Classification:
+    """One image's answer. For a multilabel model (one that names every label that fits
+    the picture, not one class) ``labels`` holds every label scored above ``threshold``,
+    best first, and ``predictions`` the same; for any other model ``labels`` and
+    ``threshold`` are None."""
+
     predictions: tuple[Prediction, ...]  # most likely first
     model: str
     batch_size: int | None  # images computed together with this one; None when cached
     cached: bool
     timing_ms: Mapping[str, float]
+    labels: tuple[Prediction, ...] | None = None  # None: not a multilabel model
+    threshold: float | None = None  # the score a label needed (multilabel only)
 
     @property
     def top(self) -> Prediction:
-        """The most likely class."""
+        """The most likely class (IndexError when no label of a multilabel model scored
+        above the threshold)."""
+        if not self.predictions:
+            raise IndexError("this answer names no label: none scored above the "
+                             f"threshold {self.threshold}")
         return self.predictions[0]
 
 
@@ -63,6 +74,9 @@ class ModelInfo:
     weights_bytes: int | None
     batch_size: int | None
     images_per_second: float | None
+    task: str = "classify"  # classify, multilabel or embed (features only: embed())
+    format: str = ""  # where it comes from: efficientnet_lite, timm, onnx, ...
+    labels: int = 1000  # how many labels it answers with (0: embed)
 
     @property
     def loaded(self) -> bool:
@@ -128,14 +142,20 @@ def _checked(cls: type[T], body: object, **defaults: Any) -> T:
     return cls(**{name: body.get(name, defaults.get(name)) for name in names})
 
 
+def _predictions(items: Any) -> tuple[Prediction, ...]:
+    return tuple(Prediction(str(p["label"]), int(p["index"]), float(p["score"]))
+                 for p in items)
+
+
 def classification(body: Mapping[str, Any]) -> Classification:
     try:
-        predictions = tuple(Prediction(str(p["label"]), int(p["index"]), float(p["score"]))
-                            for p in body["predictions"])
         size = body.get("batch_size")
-        return Classification(predictions, str(body["model"]),
+        labels, threshold = body.get("labels"), body.get("threshold")
+        return Classification(_predictions(body["predictions"]), str(body["model"]),
                               None if size is None or body["cached"] else int(size),
-                              bool(body["cached"]), dict(body.get("timing_ms") or {}))
+                              bool(body["cached"]), dict(body.get("timing_ms") or {}),
+                              None if labels is None else _predictions(labels),
+                              None if threshold is None else float(threshold))
     except (KeyError, TypeError, ValueError) as exc:
         raise UnexpectedResponse(f"not a classification: {exc!r}") from None
 
@@ -152,7 +172,7 @@ def embedding(body: Mapping[str, Any]) -> Embedding:
 def model_info(body: object) -> ModelInfo:
     return _checked(ModelInfo, body, note="", pinned=False, keep_alive_s=None,
                     expires_in_s=None, device=None, weights_bytes=None, batch_size=None,
-                    images_per_second=None)
+                    images_per_second=None, task="classify", format="", labels=1000)
 
 
 def model_list(body: Mapping[str, Any]) -> list[ModelInfo]:

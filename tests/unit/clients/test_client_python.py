@@ -4,6 +4,7 @@ live/test_client_python_live.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import hashlib
@@ -389,3 +390,81 @@ def test_a_cached_answer_has_no_batch_size():
     with mock(Script(httpx.Response(200, json=cached))) as client:
         answer = client.classify(b"x")
     assert answer.cached and answer.batch_size is None
+
+
+# --- own models: multilabel answers, the threshold, what models() says of each -----------
+
+TAGS = [{"label": "dog", "index": 3, "score": 0.91}, {"label": "grass", "index": 7, "score": 0.62}]
+MULTILABEL = {**ANSWER, "model": "my-tagger", "predictions": TAGS, "labels": TAGS,
+              "threshold": 0.4}
+
+
+def test_a_multilabel_answer_has_every_label_above_its_threshold():
+    script = Script(httpx.Response(200, json=MULTILABEL))
+    with mock(script) as client:
+        answer = client.classify(b"x", model="my-tagger", threshold=0.4)
+    assert answer.labels == (vg.Prediction("dog", 3, 0.91), vg.Prediction("grass", 7, 0.62))
+    assert answer.predictions == answer.labels and answer.threshold == 0.4
+    assert answer.top.label == "dog"
+    assert script.requests[0][1].url.params == \
+        httpx.QueryParams(top_k=5, model="my-tagger", threshold=0.4)
+
+
+def test_a_single_label_answer_and_an_older_servers_have_no_labels():
+    single = {**ANSWER, "labels": None, "threshold": None}
+    for body in (ANSWER, single):  # ANSWER: an older server's, without either
+        script = Script(httpx.Response(200, json=body))
+        with mock(script) as client:
+            answer = client.classify(b"x")
+        assert (answer.labels, answer.threshold, answer.top.label) == (None, None, "espresso")
+        assert "threshold" not in script.requests[0][1].url.params  # only when given
+
+
+def test_a_multilabel_answer_with_no_label_above_the_threshold():
+    empty = {**MULTILABEL, "predictions": [], "labels": [], "threshold": 0.99}
+    with mock(Script(httpx.Response(200, json=empty))) as client:
+        answer = client.classify(b"x", threshold=0.99)
+    assert answer.labels == () and answer.predictions == ()
+    with pytest.raises(IndexError, match=r"threshold 0\.99"):
+        _ = answer.top
+
+
+def test_classify_many_and_the_async_client_pass_the_threshold():
+    asked: list[str | None] = []
+
+    def tagger(request: httpx.Request) -> httpx.Response:
+        asked.append(request.url.params.get("threshold"))
+        return httpx.Response(200, json=MULTILABEL)
+
+    with mock(tagger) as client:
+        outcomes = list(client.classify_many([b"x", b"y"], model="my-tagger", threshold=0.3))
+    assert all(o.ok and o.result and o.result.labels for o in outcomes)
+
+    async def run() -> list[vg.Outcome[vg.Classification]]:
+        async with vg.AsyncClient("http://127.0.0.1:8765",
+                                  transport=httpx.MockTransport(tagger)) as client:
+            single = await client.classify(b"z", threshold=0.25)
+            assert single.threshold == 0.4  # what the (mock) server said
+            return [o async for o in client.classify_many([b"w"], threshold=0.2)]
+
+    assert all(o.ok for o in asyncio.run(run()))
+    assert asked == ["0.3", "0.3", "0.25", "0.2"]
+
+
+MODEL = {"name": "efficientnet_lite0", "state": "loaded", "family": "efficientnet_lite",
+         "input_size": 224, "installed": True, "device": "cuda:0", "batch_size": 32}
+
+
+def test_models_say_their_task_format_and_labels():
+    own = {**MODEL, "name": "my-embedder", "task": "embed", "format": "onnx", "labels": 0}
+    with mock(Script(httpx.Response(200, json={"models": [MODEL, own]}))) as client:
+        older, embedder = client.models()
+    assert (older.task, older.format, older.labels) == ("classify", "", 1000)  # defaults
+    assert (embedder.task, embedder.format, embedder.labels) == ("embed", "onnx", 0)
+    assert embedder.loaded and embedder.name == "my-embedder"
+
+
+def test_classify_with_an_embed_only_model_is_a_bad_request():
+    refused = error("bad_request")
+    with mock(Script(refused)) as client, pytest.raises(vg.BadRequest):
+        client.classify(b"x", model="my-embedder")

