@@ -184,7 +184,7 @@ class OwnModels:
     def add(self, source: Path, name: str | None = None) -> OwnEntry:
         """Copy ``source`` in as ``name`` (default: its folder's name) once a copy of it
         has passed the trial; nothing is left behind when it does not."""
-        name = check_name(name or source.name.lower(), self._reserved)
+        name = check_name(source.name.lower() if name is None else name, self._reserved)
         if not source.is_dir():
             raise FolderError(f"{source} is not a folder")
         outside = links_out(source)
