@@ -167,6 +167,7 @@ class _Facts:
     classes: int
     features: int  # 0: none; -1: not known until loaded
     task: str = "classify"
+    channels: int = CHANNELS
 
 
 def _facts(engine: InferenceEngine, name: str) -> _Facts:
@@ -179,9 +180,10 @@ def _facts(engine: InferenceEngine, name: str) -> _Facts:
     if loaded is None:
         entry = engine.sources.entry(name)
         if entry is not None:
-            return _Facts(entry.input_size, entry.labels, -1, entry.task)
+            return _Facts(entry.input_size, entry.labels, -1, entry.task, entry.channels)
         loaded = view.loaded(name)  # raises: a --model(s) one, not loaded
-    return _Facts(loaded.crop, loaded.classes, loaded.features, loaded.task)
+    return _Facts(loaded.crop, loaded.classes, loaded.features, loaded.task,
+                  loaded.channels)
 
 
 def _metadata(state: AppState, name: str) -> ModelMetadata:
@@ -195,7 +197,7 @@ def _metadata(state: AppState, name: str) -> ModelMetadata:
         name=name, versions=[VERSION], platform=PLATFORM,
         inputs=[TensorMetadata(name=IMAGE, datatype=BYTES, shape=[-1]),
                 TensorMetadata(name=PIXELS, datatype=FP32,
-                               shape=[-1, CHANNELS, facts.crop, facts.crop])],
+                               shape=[-1, facts.channels, facts.crop, facts.crop])],
         outputs=outputs)
 
 

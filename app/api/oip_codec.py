@@ -100,7 +100,8 @@ def unpack_bytes(raw: bytes | memoryview, count: int, name: str) -> list[bytes]:
     return items
 
 
-def parse_request(body: bytes, header_length: str | None, crop: int) -> InferRequest:
+def parse_request(body: bytes, header_length: str | None, crop: int,
+                  channels: int = CHANNELS) -> InferRequest:
     """The request in ``body`` for a model whose input is ``crop`` x ``crop``; BadRequest
     (400) for anything malformed, PayloadTooLarge (413) for a JSON part over the limit."""
     view = memoryview(body)
@@ -113,7 +114,7 @@ def parse_request(body: bytes, header_length: str | None, crop: int) -> InferReq
     inputs = head.get("inputs")
     if not isinstance(inputs, list) or len(inputs) != 1 or not isinstance(inputs[0], dict):
         raise BadRequest(f"Send exactly one input: {IMAGE} (BYTES [N], encoded image files) "
-                         f"or {PIXELS} (FP32 [N, {CHANNELS}, {crop}, {crop}], preprocessed).")
+                         f"or {PIXELS} (FP32 [N, {channels}, {crop}, {crop}], preprocessed).")
     tensor: dict[str, Any] = inputs[0]
     name = tensor.get("name")
     if name not in (IMAGE, PIXELS):
@@ -125,7 +126,7 @@ def parse_request(body: bytes, header_length: str | None, crop: int) -> InferReq
     if name == IMAGE:
         images = _images(tensor, raw)
     else:
-        pixels = _pixels(tensor, raw, crop)
+        pixels = _pixels(tensor, raw, crop, channels)
     return InferRequest(request_id, name, images, pixels,
                         _outputs(head.get("outputs"), binary_default))
 
@@ -241,14 +242,16 @@ def _images(tensor: dict[str, Any], raw: memoryview | None) -> list[bytes]:
     return images
 
 
-def _pixels(tensor: dict[str, Any], raw: memoryview | None, crop: int) -> np.ndarray:
-    """[N, 3, crop, crop] float32, finite: the model's own input, so only that shape."""
-    expected = f"[N, {CHANNELS}, {crop}, {crop}] for this model"
+def _pixels(tensor: dict[str, Any], raw: memoryview | None, crop: int, channels: int
+            ) -> np.ndarray:
+    """[N, channels, crop, crop] float32, finite: the model's own input, so only that
+    shape (three channels, or one for a grey model)."""
+    expected = f"[N, {channels}, {crop}, {crop}] for this model"
     _datatype(tensor, FP32, f"for encoded image files send {IMAGE} (BYTES).")
     shape = _batch(tensor, 4, expected)
-    if shape[1:] != [CHANNELS, crop, crop]:
+    if shape[1:] != [channels, crop, crop]:
         raise BadRequest(f"{PIXELS}'s shape must be {expected}, not {shape}.")
-    size = shape[0] * CHANNELS * crop * crop
+    size = shape[0] * channels * crop * crop
     if raw is not None:
         if len(raw) != size * 4:
             raise BadRequest(f"{PIXELS} of shape {shape} is {size * 4} bytes of FP32, but its "

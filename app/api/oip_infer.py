@@ -89,7 +89,8 @@ async def serve_inference(request: Request, name: str) -> Response:
         body = await _read_body(request)
         parsed = await state.pool.run_before(deadline, parse_request, body,
                                              request.headers.get(HEADER_LENGTH),
-                                             model.preprocessing.crop)
+                                             model.preprocessing.crop,
+                                             model.preprocessing.channels)
         del body
         plan = _plan(parsed, model)
         spots = [first, *(places.enter_context(engine.admit(_left(deadline), model.name))

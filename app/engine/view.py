@@ -42,6 +42,7 @@ class ModelFigures:
     classes: int
     features: int
     task: str  # "classify", "multilabel" or "embed"
+    channels: int  # of its input: 3, or 1 for a grey model
     weights_bytes: int
     fixed_bytes: int
     bytes_per_sample: int
@@ -137,6 +138,7 @@ def model_figures(name: str, runtime: Runtime, models: LoadedModels, now: float
         name=name, device=str(loaded.device), weights_file=str(loaded.weights_file),
         weights_version=loaded.weights_version, crop=loaded.preprocessing.crop,
         classes=loaded.num_classes, features=loaded.feature_dim, task=loaded.task,
+        channels=loaded.preprocessing.channels,
         weights_bytes=runtime.memory.weights_bytes, fixed_bytes=guard.fit.fixed_bytes,
         bytes_per_sample=guard.fit.bytes_per_sample, max_batch=size,
         images_per_second=size / line.seconds(size) if line is not None

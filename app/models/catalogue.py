@@ -28,6 +28,7 @@ class CatalogueEntry:
     task: str = "classify"  # "classify", "multilabel" or "embed"
     format: str = ""  # an own model's format (timm, onnx, ...); a built-in's is its family
     labels: int = 1000  # how many labels it answers with (ImageNet's for the built-in ones)
+    channels: int = 3  # colour channels of its input: 3 (RGB), 1 for a grey model
 
 
 def _lite_entries() -> list[CatalogueEntry]:

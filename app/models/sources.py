@@ -33,7 +33,8 @@ def own_entry(entry: OwnEntry) -> CatalogueEntry:
         return CatalogueEntry(entry.name, "own", 0, False, entry.error)
     return CatalogueEntry(entry.name, "own", described.preprocessing.crop, True, "",
                           task=described.task, format=described.format,
-                          labels=len(described.labels))
+                          labels=len(described.labels),
+                          channels=described.preprocessing.channels)
 
 
 class ModelSources:
