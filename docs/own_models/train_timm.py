@@ -52,32 +52,35 @@ def recalibrate_batchnorm(model: nn.Module, inputs: torch.Tensor) -> None:
     eval mode (as served) would answer worse than in training; one pass without gradients
     fixes that."""
     norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    momenta = [norm.momentum for norm in norms]
     for norm in norms:
         norm.reset_running_stats()
         norm.momentum = None  # a plain average over the whole pass
     model.train()
     with torch.no_grad():
         model(inputs)
-    for norm in norms:
-        norm.momentum = 0.1
+    for norm, momentum in zip(norms, momenta, strict=True):
+        norm.momentum = momentum
     model.eval()
 
 
 def fit(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, *, seed: int = 0,
-        loss: Loss = nn.functional.cross_entropy, steps: int = STEPS,
+        loss: Loss = nn.functional.cross_entropy, steps: int = STEPS, lr: float = 3e-3,
         forward: Callable[[torch.Tensor], torch.Tensor] | None = None) -> nn.Module:
     """Train ``model`` on random batches of 32, then leave it in eval mode, ready to save.
     ``forward`` turns inputs into scores when the model's own call does not return them."""
     torch.set_num_threads(1)
     scores = forward or model
     order = torch.Generator().manual_seed(seed)
-    optimiser = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    optimiser = torch.optim.AdamW(model.parameters(), lr=lr)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimiser, max_lr=lr, total_steps=steps)
     model.train()
     for _ in range(steps):
         batch = torch.randint(0, len(inputs), (32,), generator=order)
         optimiser.zero_grad()
         loss(scores(inputs[batch]), targets[batch]).backward()
         optimiser.step()
+        schedule.step()
     recalibrate_batchnorm(model, inputs)
     return model
 
@@ -120,8 +123,10 @@ def save_all(model: nn.Module, out_dir: Path) -> dict[str, Path]:
     exported = torch.export.export(model, (example,), dynamic_shapes=({0: batch},))
     torch.export.save(exported, folders["export"] / "model.pt2")
     write_manifest(folders["export"], format="export", file="model.pt2")
+    # Opset 17: onnx2torch, which vramguard converts ONNX models with, has no converters
+    # for some operators of opset 18 and later (ReduceMean, Constant).
     torch.onnx.export(model, (example,), folders["onnx"] / "model.onnx", dynamo=False,
-                      input_names=["pixels"], output_names=["scores"],
+                      opset_version=17, input_names=["pixels"], output_names=["scores"],
                       dynamic_axes={"pixels": {0: "batch"}, "scores": {0: "batch"}})
     write_manifest(folders["onnx"], format="onnx", file="model.onnx")
     return folders

@@ -82,6 +82,7 @@ def _timm(folder: Path, path: Path, described: ModelDescription) -> nn.Module:
     if not timm.is_model(name):
         raise FolderError(f"timm has no architecture '{name}' (timm {timm.__version__})")
     args = dict(described.model_args)
+    args.pop("num_classes", None)  # the labels (or the manifest) say how many
     args.setdefault("in_chans", described.preprocessing.channels)
     module = timm.create_model(name, pretrained=False, num_classes=_classes(described),
                                **args)
@@ -122,12 +123,29 @@ def _onnx(folder: Path, path: Path, described: ModelDescription) -> nn.Module:
         inside(folder, location)
     if outside:
         load_external_data_for_model(proto, str(path.parent))
+    _constants_as_initializers(proto)
     try:
         module: nn.Module = convert(proto)
     except NotImplementedError as exc:
         raise FolderError(f"{path.name} uses an ONNX operator that cannot be converted "
-                          f"to torch: {str(exc).splitlines()[0]}") from None
+                          f"to torch: {str(exc).splitlines()[0]}; export it with "
+                          "opset_version=17") from None
     return module
+
+
+def _constants_as_initializers(proto: Any) -> None:
+    """A ``Constant`` node holding a tensor, as the initializer it amounts to: onnx2torch
+    1.5 has no converter for the opset 19 and later ``Constant`` that torch.onnx.export
+    writes, and an initializer is the same value to every reader."""
+    graph = proto.graph
+    for node in [n for n in graph.node if n.op_type == "Constant" and n.domain in ("", "ai.onnx")]:
+        value = next((a.t for a in node.attribute if a.name == "value" and a.HasField("t")),
+                     None)
+        if value is None or len(node.output) != 1:
+            continue
+        value.name = node.output[0]
+        graph.initializer.append(value)
+        graph.node.remove(node)
 
 
 def _initializers(proto: Any) -> list[Any]:
