@@ -174,12 +174,8 @@ def _transformers(folder: Path, path: Path, described: ModelDescription) -> nn.M
     return _Logits(inner)
 
 
-def _timm_hf(folder: Path, path: Path, described: ModelDescription) -> nn.Module:
-    return _timm(folder, path, described)
-
-
 BUILDERS: dict[str, Callable[[Path, Path, ModelDescription], nn.Module]] = {
-    "timm": _timm, "timm-hf": _timm_hf, "torchvision": _torchvision,
+    "timm": _timm, "timm-hf": _timm, "torchvision": _torchvision,
     "torchscript": _torchscript, "export": _export, "onnx": _onnx,
     "transformers": _transformers,
 }

@@ -99,6 +99,7 @@ class OwnModels:
         self._scanned_at = -SCAN_EVERY_S
         self._entries: dict[str, OwnEntry] = {}
         self._stamps: dict[str, tuple[int, ...]] = {}
+        self._versions: dict[str, str] = {}  # fingerprints, until the folder's stamp changes
 
     # -- listing -------------------------------------------------------------------------
 
@@ -126,6 +127,7 @@ class OwnModels:
         for name in set(self._entries) - set(folders):
             self._entries.pop(name)
             self._stamps.pop(name, None)
+            self._versions.pop(name, None)
         for name, folder in folders.items():
             try:
                 stamp = _stamp(folder)
@@ -134,13 +136,15 @@ class OwnModels:
             if self._stamps.get(name) == stamp:
                 continue
             self._stamps[name] = stamp
+            self._versions.pop(name, None)
             self._entries[name] = self._describe(name, folder)
 
     def _describe(self, name: str, folder: Path) -> OwnEntry:
         try:
             check_name(name, self._reserved)
-            if links_out(folder):
-                raise FolderError(f"{', '.join(links_out(folder))} links outside the folder")
+            outside = links_out(folder)
+            if outside:
+                raise FolderError(f"{', '.join(outside)} links outside the folder")
             return OwnEntry(name, folder, describe_folder(folder))
         except FolderError as exc:
             return OwnEntry(name, folder, None, str(exc))
@@ -157,7 +161,12 @@ class OwnModels:
             raise FolderError(f"There is no model '{name}' in {self.root}")
         if entry.description is None:
             raise FolderError(entry.error)
-        version = fingerprint_folder(entry.folder)
+        with self._lock:  # hashed once per content: the check and the load both ask
+            version = self._versions.get(name)
+        if version is None:
+            version = fingerprint_folder(entry.folder)
+            with self._lock:
+                self._versions[name] = version
         verdict = self.root / VERDICTS / f"{name}.json"
         try:
             if json.loads(verdict.read_text(encoding="utf-8")).get("version") == version:
