@@ -111,7 +111,7 @@ class InferenceEngine:
                           unload=lambda name, reason, strict: self._unload_on_device(
                               name, reason, strict))
         self.upkeep = Upkeep(settings, self.models, self.batcher, self.reports, clock,
-                             steps.unload)
+                             steps.unload, self.sources.withdrawn)
         self.batches = BatchRun(self.models, self.batcher, self.health, allocations,
                                 CpuThreads() if self.device.type == "cpu" else None,
                                 self.upkeep.note_batch)

@@ -1,6 +1,7 @@
 """Upkeep, once a second on the device thread (``tick``): follow other programs' memory,
-update the watermark state, unload models whose keep-alive has run out, and once per quiet
-spell after work diagnose what is still in use, give memory back and trace a leak.
+update the watermark state, unload models whose keep-alive has run out or whose folder was
+removed or replaced, and once per quiet spell after work diagnose what is still in use,
+give memory back and trace a leak.
 
 The rules: a quiet spell is ``idle_release_s`` (else ``IDLE_PERIOD_S``) without a request,
 after at least one batch since the last one and with nothing queued; the cache is given
@@ -29,20 +30,24 @@ from app.units import human_bytes
 
 log = logging.getLogger("vramguard.engine")
 Unload = Callable[[str, str, bool], None]  # name, reason, strict
+Withdrawn = Callable[[str], bool]  # whether a loaded model has left the catalogue
 
 
 class Upkeep:
-    """What the memory monitor's tick does; ``unload`` is the engine's unload step."""
+    """What the memory monitor's tick does; ``unload`` is the engine's unload step and
+    ``withdrawn`` says which loaded models were removed or replaced in the models folder."""
 
     def __init__(self, settings: Settings, models: LoadedModels,
                  batcher: MicroBatcher[Sample, Outcome], reports: MemoryReports,
-                 clock: Clock, unload: Unload) -> None:
+                 clock: Clock, unload: Unload,
+                 withdrawn: Withdrawn = lambda _: False) -> None:
         self.settings = settings
         self.models = models
         self.batcher = batcher
         self.reports = reports
         self._clock = clock
         self._unload = unload
+        self._withdrawn = withdrawn
         self.last_activity = clock()
         self._peak_since_tick = 0
         self._released = True
@@ -83,6 +88,9 @@ class Upkeep:
         models.observe(usage)
         for name in list(models.residents):
             self.expire(name)
+        for name in list(models.runtimes):
+            if self._withdrawn(name) and not busy(self.batcher, name):
+                self._unload(name, "removed", False)
         runtime = models.primary
         if runtime is None:
             return reading

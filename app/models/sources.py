@@ -42,6 +42,7 @@ class ModelSources:
 
     def __init__(self, own: OwnModels) -> None:
         self.own = own
+        self._loaded: dict[str, tuple[int, ...] | None] = {}  # own models' stamps at load
 
     def catalogue(self, fresh: bool = False) -> list[CatalogueEntry]:
         """Every model: the built-in ones, then the own ones (``fresh``: read the models
@@ -89,4 +90,12 @@ class ModelSources:
             version = self.own.ensure_checked(name)
         except FolderError as exc:
             raise ModelLoadError(f"The model {name} cannot be served: {exc}") from None
-        return load_own(own, version, device)
+        stamp = self.own.stamp(name)
+        loaded = load_own(own, version, device)
+        self._loaded[name] = stamp
+        return loaded
+
+    def withdrawn(self, name: str) -> bool:
+        """Whether the own model loaded as ``name`` has since been removed or replaced in
+        the models folder (so what is loaded is no longer what the catalogue lists)."""
+        return name in self._loaded and self.own.stamp(name) != self._loaded[name]

@@ -94,7 +94,8 @@ def _models(view: EngineView) -> Iterator[Metric]:
                                   "and warming up models.", labels=["model"])
     unloads = CounterMetricFamily("vramguard_model_unloads", "Model unloads by reason: "
                                   "evicted (to make room), expired (keep-alive), admin, "
-                                  "did_not_fit.", labels=["model", "reason"])
+                                  "did_not_fit, removed (its folder was removed or "
+                                  "replaced).", labels=["model", "reason"])
     requests = CounterMetricFamily("vramguard_model_requests", "Images answered per "
                                    "model: ok (computed) or cached.",
                                    labels=["model", "outcome"])

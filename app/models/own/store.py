@@ -117,6 +117,13 @@ class OwnModels:
         """The entry named exactly ``name``, from the latest scan (scanning if due)."""
         return next((e for e in self.scan() if e.name == name), None)
 
+    def stamp(self, name: str) -> tuple[int, ...] | None:
+        """The folder's sizes and change times at the latest scan (scanning if due): a
+        different stamp means a different folder; None once it has gone."""
+        entry = self.get(name)
+        with self._lock:
+            return None if entry is None else self._stamps.get(name)
+
     def _rescan(self) -> None:
         try:
             with os.scandir(self.root) as found:
