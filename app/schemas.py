@@ -157,6 +157,14 @@ class ModelMemory(BaseModel):
                                   "(c + k x batch size, measured).")
     batch_size: int
     pinned: bool = Field(description="Loaded at start and never unloaded to make room.")
+    task: str = Field("classify", description="classify, multilabel (every label above a "
+                      "threshold) or embed (image features only).")
+    format: str = Field("", description="Where it comes from: efficientnet_lite, "
+                        "torchvision, or your model's format (timm, timm-hf, "
+                        "transformers, torchvision, torchscript, export, onnx).")
+    labels: int = Field(0, description="How many labels it answers with (0: embed).")
+    own: bool = Field(False, description="One of your models (from the models folder), "
+                      "not a built-in one.")
 
 
 class MemoryReport(BaseModel):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from app.schemas import LiveSample
+from app.schemas import LiveSample, ModelMemory
 from app.units import human_bytes
 from app.vocabulary import (
     GPU_CACHE,
@@ -121,16 +121,35 @@ class ModelEntry:
     weights_bytes: int
 
 
+def is_own(model: ModelMemory) -> bool:
+    """Whether ``model`` is one the person brought (``vramguard models add``)."""
+    return model.own
+
+
+def own_model_words(model: ModelMemory) -> str:
+    """What an own model is, e.g. 'your model (timm, multilabel, 12 labels)' or 'your
+    model (onnx, image features)', the words of the README's 'Serve your own model'."""
+    if model.task == "embed":
+        what = [model.format, "image features"]
+    else:
+        count = f"{model.labels} label{'' if model.labels == 1 else 's'}"
+        what = [model.format, *(["multilabel"] if model.task == "multilabel" else []), count]
+    return f"your model ({', '.join(what)})"
+
+
 def model_entries(sample: LiveSample | None) -> list[ModelEntry]:
     """The models the server has in memory, e.g. 'efficientnet_lite1 — 21 MiB (+ 160 MiB
-    while working)'; ', kept loaded' for the ones it never unloads to make room."""
+    while working)', an own one with what it is first ('shapes — your model (onnx, 3
+    labels), 4 MiB (+ ...)'); ', kept loaded' for the ones it never unloads to make
+    room."""
     if sample is None:
         return []
     entries = []
     for model in sample.models:
         size = human_bytes(model.weights_bytes)
-        label = (f"{model.name} — {size} (+ {human_bytes(model.batch_peak_bytes)} while "
-                 "working)")
+        own = f"{own_model_words(model)}, " if is_own(model) else ""
+        label = (f"{model.name} — {own}{size} (+ {human_bytes(model.batch_peak_bytes)} "
+                 "while working)")
         if model.pinned:
             label += ", kept loaded"
         entries.append(ModelEntry(model.name, label, f"Unload (frees {size})",

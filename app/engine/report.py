@@ -97,8 +97,17 @@ class MemoryReports:
             large_allocations=self.allocations.logged,
             gpu_utilization_ratio=nvml.utilization() if nvml is not None else None,
             cpu_instead_of_gpu=self.cpu_instead_of_gpu,
-            models=[ModelMemory(name=n, weights_bytes=r.memory.weights_bytes,
-                                batch_peak_bytes=r.footprint.batch_peak,
-                                batch_size=r.guard.max_batch, pinned=self.models.pinned(n))
-                    for n, r in named],
+            models=[self.model_memory(n, r) for n, r in named],
         )
+
+    def model_memory(self, name: str, runtime: Runtime) -> ModelMemory:
+        """One model's share, and what it is (so the tray and the dashboard can say it
+        without asking /v1/models); the schema's defaults for a runtime installed for its
+        memory figures alone, without a model."""
+        model = runtime.model
+        kind = {} if model is None else {"task": model.task, "format": model.family,
+                                          "labels": len(model.labels), "own": model.own}
+        return ModelMemory(name=name, weights_bytes=runtime.memory.weights_bytes,
+                           batch_peak_bytes=runtime.footprint.batch_peak,
+                           batch_size=runtime.guard.max_batch,
+                           pinned=self.models.pinned(name), **kind)

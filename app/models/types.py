@@ -36,6 +36,9 @@ class LoadedModel:
     threshold: float = 0.5
     # Where it came from: "efficientnet_lite", "torchvision" or an own model's format.
     family: str = "built-in"
+    # One of the user's own, from the models folder (its family alone cannot say: an own
+    # model may be a torchvision one).
+    own: bool = False
 
     @property
     def num_classes(self) -> int:

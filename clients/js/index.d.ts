@@ -145,6 +145,14 @@ export interface ModelMemory {
   batch_peak_bytes: number;
   batch_size: number;
   pinned: boolean;
+  /** `"classify"`, `"multilabel"` or `"embed"`, as in `ModelInfo`. */
+  task: string;
+  /** Where it comes from, as in `ModelInfo`. */
+  format: string;
+  /** How many labels it answers with (0 for an `"embed"` model). */
+  labels: number;
+  /** One of your models (from the models folder), not a built-in one. */
+  own: boolean;
 }
 
 /** `GET /v1/memory` (see the README's API section for each field). */

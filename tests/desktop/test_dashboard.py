@@ -97,6 +97,38 @@ def test_dashboard_shows_the_diagnostics(server, browser):
     assert busy == "40%"
 
 
+def test_the_legend_says_what_an_own_model_is(server, browser):
+    """The server's samples say what each model is; the page's own legend, given a
+    sample with an own model of each task and a built-in one: the own ones have a muted
+    note after the name, the built-in one none."""
+    with server.client() as client:
+        loaded = client.get("/v1/memory").json()["models"][0]
+    assert (loaded["task"], loaded["format"], loaded["labels"], loaded["own"]) == (
+        "classify", "efficientnet_lite", 1000, False)
+    browser.get(f"{server.url}/ui")
+    wait_until(lambda: int(browser.find_element("id", "chart").get_attribute("data-points")) >= 1)
+    shown = browser.execute_script("""
+        const model = (name, task, format, labels) => ({name, task, format, labels,
+          own: format !== 'efficientnet_lite', weights_bytes: 4 << 20,
+          batch_peak_bytes: 20 << 20, batch_size: 8, pinned: false});
+        legend(Object.assign({}, samples[samples.length - 1], {models: [
+          model('shapes', 'classify', 'onnx', 3), model('tags', 'multilabel', 'timm', 12),
+          model('faces', 'embed', 'onnx', 0),
+          model('efficientnet_lite0', 'classify', 'efficientnet_lite', 1000)]}));
+        return [...document.querySelectorAll('#bands span[data-model]')].map((s) =>
+          [s.textContent, s.querySelector('small') ? s.querySelector('small').textContent : '',
+           s.querySelector('small') ? getComputedStyle(s.querySelector('small')).color : '']);""")
+    assert shown == [
+        ["shapes your model (onnx, 3 labels) 4 MiB (+ 20 MiB while working)",
+         "your model (onnx, 3 labels)", "rgb(91, 96, 104)"],
+        ["tags your model (timm, multilabel, 12 labels) 4 MiB (+ 20 MiB while working)",
+         "your model (timm, multilabel, 12 labels)", "rgb(91, 96, 104)"],
+        ["faces your model (onnx, image features) 4 MiB (+ 20 MiB while working)",
+         "your model (onnx, image features)", "rgb(91, 96, 104)"],
+        ["efficientnet_lite0 4 MiB (+ 20 MiB while working)", "", ""],
+    ]
+
+
 def test_dashboard_link_works_once_and_without_it_the_button_is_off(server, browser):
     link = httpx.post(f"{server.url}/v1/admin/ui-link", headers=server.admin()).json()["url"]
     code = link.split("#code=")[1]

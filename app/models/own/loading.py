@@ -35,4 +35,4 @@ def load_own(entry: OwnEntry, version: str, device: torch.device) -> LoadedModel
         name=entry.name, module=module, labels=list(described.labels),
         preprocessing=described.preprocessing, weights_file=entry.folder,
         weights_version=version, device=device, feature_dim=features, task=described.task,
-        threshold=described.threshold, family=described.format)
+        threshold=described.threshold, family=described.format, own=True)

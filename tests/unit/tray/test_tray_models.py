@@ -130,6 +130,30 @@ def test_each_loaded_model_in_plain_words():
     assert model_entries(sample()) == []  # no model listed: no section
 
 
+def test_an_own_model_says_what_it_is_and_a_built_in_one_does_not():
+    """An own model's line names it 'your model', with its format and what it answers;
+    a built-in one (torchvision's too, though an own model may have that format) reads
+    as before."""
+    own = {"weights_bytes": 4 * MiB, "batch_peak_bytes": 20 * MiB, "batch_size": 8,
+           "pinned": False, "own": True}
+    models = [{**own, "name": "shapes", "task": "classify", "format": "onnx", "labels": 3},
+              {**own, "name": "tags", "task": "multilabel", "format": "timm", "labels": 12},
+              {**own, "name": "faces", "task": "embed", "format": "onnx", "labels": 0},
+              {**own, "name": "one", "task": "classify", "format": "torchvision",
+               "labels": 1},
+              {**LITE1, "task": "classify", "format": "efficientnet_lite", "labels": 1000},
+              {**own, "name": "resnet18", "task": "classify", "format": "torchvision",
+               "labels": 1000, "own": False}]
+    assert [e.label for e in model_entries(sample(models=models))] == [
+        "shapes — your model (onnx, 3 labels), 4 MiB (+ 20 MiB while working)",
+        "tags — your model (timm, multilabel, 12 labels), 4 MiB (+ 20 MiB while working)",
+        "faces — your model (onnx, image features), 4 MiB (+ 20 MiB while working)",
+        "one — your model (torchvision, 1 label), 4 MiB (+ 20 MiB while working)",
+        "efficientnet_lite1 — 21 MiB (+ 160 MiB while working)",
+        "resnet18 — 4 MiB (+ 20 MiB while working)",
+    ]
+
+
 def test_the_menu_lists_the_models_each_with_its_unload(tmp_path, pystray):
     controller, _ = tray(tmp_path)
     menu = build_menu(pystray, controller, threading.Event())
