@@ -101,9 +101,10 @@ def unpack_bytes(raw: bytes | memoryview, count: int, name: str) -> list[bytes]:
 
 
 def parse_request(body: bytes, header_length: str | None, crop: int,
-                  channels: int = CHANNELS) -> InferRequest:
-    """The request in ``body`` for a model whose input is ``crop`` x ``crop``; BadRequest
-    (400) for anything malformed, PayloadTooLarge (413) for a JSON part over the limit."""
+                  channels: int = CHANNELS, output: str = PROBABILITIES) -> InferRequest:
+    """The request in ``body`` for a model whose input is ``crop`` x ``crop`` and whose own
+    output, answered when the request names none, is ``output``; BadRequest (400) for
+    anything malformed, PayloadTooLarge (413) for a JSON part over the limit."""
     view = memoryview(body)
     json_end = _json_length(header_length, len(view))
     head = _load_json(view[:json_end])
@@ -128,7 +129,7 @@ def parse_request(body: bytes, header_length: str | None, crop: int,
     else:
         pixels = _pixels(tensor, raw, crop, channels)
     return InferRequest(request_id, name, images, pixels,
-                        _outputs(head.get("outputs"), binary_default))
+                        _outputs(head.get("outputs"), binary_default, output))
 
 
 def _json_length(header_length: str | None, size: int) -> int:
@@ -281,10 +282,10 @@ def _numbers(data: object, size: int, shape: list[int]) -> np.ndarray:
         return values.astype(np.float32).ravel()
 
 
-def _outputs(outputs: object, binary_default: bool) -> list[Requested]:
-    """What to answer: the outputs named, in their order; PROBABILITIES when none is."""
+def _outputs(outputs: object, binary_default: bool, default: str) -> list[Requested]:
+    """What to answer: the outputs named, in their order; the model's own when none is."""
     if outputs is None:
-        return [Requested(PROBABILITIES, 0, binary_default)]
+        return [Requested(default, 0, binary_default)]
     if not isinstance(outputs, list) or not outputs:
         raise BadRequest("\"outputs\" must be a list of the outputs wanted.")
     wanted: list[Requested] = []

@@ -90,7 +90,8 @@ async def serve_inference(request: Request, name: str) -> Response:
         parsed = await state.pool.run_before(deadline, parse_request, body,
                                              request.headers.get(HEADER_LENGTH),
                                              model.preprocessing.crop,
-                                             model.preprocessing.channels)
+                                             model.preprocessing.channels,
+                                             EMBEDDING if model.task == EMBED else PROBABILITIES)
         del body
         plan = _plan(parsed, model)
         spots = [first, *(places.enter_context(engine.admit(_left(deadline), model.name))

@@ -27,8 +27,8 @@ def add_models_parser(commands: Any, common: Any) -> None:
     add.add_argument("path", type=Path, metavar="PATH", help="The model folder.")
     add.add_argument("--name", help="The name to serve it as (default: the folder's name, "
                      "in lower case).")
-    listing = actions.add_parser("list", help="The own models, and why any cannot be served.")
-    remove = actions.add_parser("remove", help="Remove an own model.")
+    listing = actions.add_parser("list", help="Your models, and why any cannot be served.")
+    remove = actions.add_parser("remove", help="Remove one of your models.")
     remove.add_argument("name", metavar="NAME", help="The name `models list` shows.")
     for sub in (add, listing, remove):
         common(sub)
@@ -63,15 +63,16 @@ def _add(store: Any, path: Path, name: str | None) -> int:
             else "image features")
     print(f"Added {entry.name}: {described.task}, {described.format}, {what}, "
           f"{described.preprocessing.crop}x{described.preprocessing.crop} pixels.")
+    route = "embed" if described.task == "embed" else "classify"
     print(f"A running vramguard serves it now as --model {entry.name} "
-          f"(/v1/classify?model={entry.name}).")
+          f"(/v1/{route}?model={entry.name}).")
     return 0
 
 
 def _list(store: Any) -> int:
     entries = store.scan(force=True)
     if not entries:
-        print(f"No own models in {store.root}. Add one with: vramguard models add PATH")
+        print(f"None of your models is in {store.root}. Add one with: vramguard models add PATH")
         return 0
     rows = [("NAME", "TASK", "FORMAT", "LABELS", "INPUT")]
     broken = []

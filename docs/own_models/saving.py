@@ -35,12 +35,13 @@ def write_manifest(folder: Path, *, format: str, file: str, task: str = "classif
                    architecture: str | None = None, num_classes: int | None = None,
                    threshold: float | None = None, size: int = SIZE, resize: int = RESIZE,
                    interpolation: str = "bilinear", mean: Sequence[float] = IMAGENET_MEAN,
-                   std: Sequence[float] = IMAGENET_STD) -> Path:
-    """``vramguard.toml`` (and ``labels.txt`` unless the task is "embed"), checked by
-    reading it back with ``tomllib``."""
+                   std: Sequence[float] = IMAGENET_STD,
+                   labels: Sequence[str] = LABELS) -> Path:
+    """``vramguard.toml`` (and ``labels.txt`` of ``labels`` unless the task is "embed"),
+    checked by reading it back with ``tomllib``."""
     top = {"task": task}
     if task != "embed":
-        write_labels(folder)
+        write_labels(folder, labels)
         top["labels"] = LABELS_FILE
     if threshold is not None:
         top["threshold"] = threshold

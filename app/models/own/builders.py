@@ -168,7 +168,10 @@ class _Logits(nn.Module):
 
 def _transformers(folder: Path, path: Path, described: ModelDescription) -> nn.Module:
     from transformers import AutoModelForImageClassification
+    from transformers.utils import logging as transformers_logging
 
+    # No progress bar per load in the server's log (and the trial's stderr).
+    transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     inner = AutoModelForImageClassification.from_pretrained(
         str(folder), local_files_only=True, use_safetensors=True, trust_remote_code=False)
     return _Logits(inner)
