@@ -34,7 +34,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench.gpu_check import device, memory, models, oom, server_path, speed
+from bench.gpu_check import device, memory, models, oom, own_models, server_path, speed
 from bench.gpu_check.plan import (
     CUDA_ONLY,
     DRY_DEFAULT_OUT,
@@ -59,7 +59,8 @@ RUNS: dict[str, Callable[[Check, dict[str, Any]], str]] = {
     "tick_cost": speed.tick_cost, "snapshot_cost": speed.snapshot_cost,
     "latency_p50": speed.latency_p50, "forced_oom": oom.forced_oom,
     "server_path": server_path.server_path, "pressure_oom": oom.pressure_oom,
-    "multi_model": models.multi_model, "final": memory.final,
+    "multi_model": models.multi_model, "own_models": own_models.own_models,
+    "final": memory.final,
 }
 
 

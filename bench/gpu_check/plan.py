@@ -85,6 +85,10 @@ SPECS = (
              "back; an out-of-memory while loading leaves nothing behind and ends in 503 or "
              "a load after one more eviction, the profile marked",
              needs=("load",), limit_s=120, min_s=20),
+    StepSpec("own_models", "a model of the user's own from a torch.export program and from "
+             "ONNX: added (trial load in a child), loaded on the device by the engine, "
+             "measured, its answers against the CPU's", needs=("load",), limit_s=60,
+             min_s=10),
     StepSpec("final", "memory at the end; OOM counters", min_s=0),
 )
 STEPS = tuple(spec.name for spec in SPECS)

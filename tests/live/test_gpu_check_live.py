@@ -62,6 +62,10 @@ def test_the_dry_run_records_every_step_on_the_cpu(tmp_path):
     assert set(report["stages"]) >= {"load", "first_forward", "warmup", "after_empty_cache",
                                      "multi_model", "end"}
     check_multi_model(steps["multi_model"]["result"])
+    own = steps["own_models"]["result"]
+    for form in ("export", "onnx"):  # onnx and onnx2torch are installed here
+        assert own[form]["device"] == "cpu" and own[form]["weights_bytes"] > 0, own
+        assert own[form]["largest_difference"] <= 1e-5, own
 
 
 def check_multi_model(multi: dict) -> None:
