@@ -1,5 +1,6 @@
 """Several real models in one process on the CPU: loaded on request, evicted by measured
-memory, kept alive and unloaded, profiles reused, embeddings.
+memory (a model of the user's own among them), kept alive and unloaded, profiles reused,
+embeddings.
 
 In-process: the real app and the real engine (models loaded and warmed up on its device
 thread), requests through httpx's ASGI transport. The profiles are measured once for the
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
+import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -21,7 +23,9 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+import torch
 from images import photo
+from live_server import ROOT
 from PIL import Image
 
 from app.config import load_settings
@@ -31,6 +35,7 @@ from app.http.server import create_app
 from app.http.state import AppState
 
 LITE = ("efficientnet_lite0", "efficientnet_lite1", "efficientnet_lite2")
+OWN = "mine"  # a model of the user's own, from the models folder
 JPEG = {"Content-Type": "image/jpeg"}
 BACKGROUND_WAIT_S = 120.0  # bounds the wait for the batch sizes measured between batches
 
@@ -286,5 +291,107 @@ def test_embeddings_find_the_same_photo_resized_and_are_cached_apart(
             classified = await client.post("/v1/classify", content=photo(), headers=JPEG)
             assert classified.json()["cached"] is False
             assert classified.json()["predictions"][0]["label"] == "espresso"
+
+    asyncio.run(scenario())
+
+
+@pytest.fixture(scope="module")
+def own_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A models folder holding one model of the user's own: torchvision's MobileNetV3-Small
+    for three labels (untrained: this is about memory), added as `vramguard models add`
+    adds it, its trial load included."""
+    import torchvision
+    from safetensors.torch import save_file
+
+    from app.models.own.store import OwnModels
+
+    sys.path.insert(0, str(ROOT / "docs" / "own_models"))
+    from saving import write_manifest
+
+    source = tmp_path_factory.mktemp("own-source") / "mine"
+    source.mkdir()
+    torch.manual_seed(0)
+    save_file(torchvision.models.mobilenet_v3_small(num_classes=3).state_dict(),
+              str(source / "weights.safetensors"))
+    write_manifest(source, format="torchvision", file="weights.safetensors",
+                   architecture="mobilenet_v3_small")
+    root = tmp_path_factory.mktemp("own-models")
+    OwnModels(root).add(source, OWN)
+    return root
+
+
+@pytest.fixture(scope="module")
+def own_measured(measured: dict[str, Any], profiles: Path, own_models: Path,
+                 tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """/v1/models once the own model has been loaded (and so measured) beside Lite0."""
+    async def scenario() -> dict[str, dict[str, Any]]:
+        async with appliance(tmp_path_factory.mktemp("own"), profiles,
+                             models_dir=own_models) as (client, _engine):
+            response = await client.post("/v1/classify", params={"model": OWN},
+                                         content=photo(), headers=JPEG)
+            assert response.status_code == 200, response.text
+            give_up = time.monotonic() + BACKGROUND_WAIT_S
+            models = await listing(client)
+            while not models[OWN]["profile_complete"]:  # then its profile is stored
+                assert time.monotonic() < give_up, models[OWN]
+                await asyncio.sleep(0.2)
+                models = await listing(client)
+            return models
+
+    return asyncio.run(scenario())
+
+
+def test_an_own_model_and_a_built_in_one_share_the_budget_and_are_evicted_alike(
+        measured: dict[str, Any], own_measured: dict[str, Any], own_models: Path,
+        profiles: Path, tmp_path: Path) -> None:
+    """Lite0 pinned, then the own model and Lite1 by turns under a budget for Lite0 and
+    either one: each load evicts the other, as between built-in models."""
+    prints = {name: footprint(measured[name]) for name in LITE}
+    prints[OWN] = footprint(own_measured[OWN])
+    assert own_measured[OWN]["weights_bytes"] > 5_000_000
+    budget = max(needed([prints[LITE[0]], prints[other]]) for other in (OWN, LITE[1])) \
+        + 1_000_000
+    assert needed([prints[LITE[0]], prints[OWN], prints[LITE[1]]]) > budget
+
+    async def scenario() -> None:
+        async with appliance(tmp_path, profiles, memory_budget=budget,
+                             models_dir=own_models) as (client, engine):
+            admin = {"Authorization": f"Bearer {(tmp_path / 'token').read_text().strip()}"}
+
+            async def load(name: str) -> list[str]:
+                response = await client.post(f"/v1/models/{name}/load", headers=admin)
+                assert response.status_code == 200, response.text
+                states = {n: m["state"] for n, m in (await listing(client)).items()}
+                return [states[n] for n in (LITE[0], OWN, LITE[1])]
+
+            assert await load(OWN) == ["loaded", "loaded", "available"]
+            assert (await listing(client))[OWN]["profile_reused"] is True
+            assert await load(LITE[1]) == ["loaded", "available", "loaded"]  # own evicted
+            assert await load(OWN) == ["loaded", "loaded", "available"]  # and back
+            assert engine.outcomes[OWN].unloads == {"evicted": 1}
+            assert engine.outcomes[LITE[1]].unloads == {"evicted": 1}
+
+    asyncio.run(scenario())
+
+
+def test_an_own_model_too_big_for_the_budget_gets_insufficient_memory_naming_it(
+        measured: dict[str, Any], own_measured: dict[str, Any], own_models: Path,
+        profiles: Path, tmp_path: Path) -> None:
+    lite0 = footprint(measured[LITE[0]])
+    budget = needed([lite0]) + 1_000_000
+    assert needed([lite0, footprint(own_measured[OWN])]) > budget
+
+    async def scenario() -> None:
+        async with appliance(tmp_path, profiles, memory_budget=budget,
+                             models_dir=own_models) as (client, engine):
+            response = await client.post("/v1/classify", params={"model": OWN},
+                                         content=photo(), headers=JPEG)
+            assert response.status_code == 503, response.text
+            error = response.json()["error"]
+            assert error["code"] == "insufficient_memory" and OWN in error["message"]
+            assert (await client.get("/healthz")).status_code == 200
+            # Lite0 stays (not classified here: see the eviction test above for why).
+            assert sorted(engine.runtimes) == [LITE[0]]
+            assert (await listing(client))[OWN]["state"] == "available"
 
     asyncio.run(scenario())
