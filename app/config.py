@@ -120,7 +120,7 @@ class Settings(BaseSettings):
     models_dir: Path = Field(default_factory=default_models_dir, description="Folder of "
                              "your own models, one sub-folder each (vramguard models add); a "
                              "folder put there by hand is found without a restart.")
-    model_check_timeout_s: float = Field(120.0, gt=0, description="Seconds an own model's "
+    model_check_timeout_s: float = Field(120.0, gt=0, description="Seconds your model's "
                                          "first check (a trial load in a separate process) "
                                          "may take before the folder is refused.")
     profile_dir: Path = Field(default_factory=lambda: default_cache_dir().parent / "profiles",
@@ -256,6 +256,10 @@ class Settings(BaseSettings):
                                   "only); none: limits kept in this process.")
     redis_prefix: str = Field("vramguard", pattern=r"^[A-Za-z0-9._-]{1,64}$",
                               description="Prefix of every Redis key vramguard writes.")
+    redis_timeout_s: float = Field(0.25, gt=0, le=30, description="Cluster only: seconds "
+                                   "a replica waits for Redis to connect or reply before it "
+                                   "works from its own share of the limits (a hung Redis "
+                                   "must not stall requests; a busy machine may need more).")
     replicas: int = Field(1, ge=1, description="Replicas that share the limits (cluster "
                           "only): while Redis cannot be reached, each keeps this share of "
                           "them (the global limits divided by it).")

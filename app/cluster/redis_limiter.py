@@ -16,13 +16,14 @@ client string can name the global key or another family's bucket. Each key expir
 its bucket would be full again (plus a second): an idle client costs no memory, and a
 missing key reads as a full bucket.
 
-When Redis cannot be reached (refused, timed out after 0.25 s, still loading), each
-replica falls back to an in-process bucket with its share of every limit (the rate and
-burst divided by ``replicas``, a burst of at least 1): fail-open to a local limit, not
-fail-closed, because refusing every request while the limiter's store is away would turn
-a Redis outage into an outage of the whole service, while the local share keeps the
-total close to the configured limit. One warning is logged; while falling back, Redis is
-tried again by one request about once a second, and one info line says when it is back.
+When Redis cannot be reached (refused, timed out after ``redis_timeout_s``, 0.25 s by
+default, still loading), each replica falls back to an in-process bucket with its share
+of every limit (the rate and burst divided by ``replicas``, a burst of at least 1):
+fail-open to a local limit, not fail-closed, because refusing every request while the
+limiter's store is away would turn a Redis outage into an outage of the whole service,
+while the local share keeps the total close to the configured limit. One warning is
+logged; while falling back, Redis is tried again by one request about once a second, and
+one info line says when it is back.
 A Redis that answers the script with an error (a key of another type, out of memory, no
 permission) falls back the same way, but is logged as an error: it will not heal itself.
 """
@@ -101,7 +102,8 @@ class RedisLimiter:
                              "server (e.g. redis://localhost:6379/0)")
         per_client, global_rates = limit_rates(settings)
         return cls(settings.redis_url, per_client, global_rates,
-                   prefix=settings.redis_prefix, replicas=settings.replicas)
+                   prefix=settings.redis_prefix, replicas=settings.replicas,
+                   timeout_s=settings.redis_timeout_s)
 
     @property
     def rejected(self) -> int:

@@ -121,6 +121,9 @@ def cluster(tmp_path_factory, ray_deadlines) -> Iterator[Cluster]:
     port, replica_port = free_port(), two_free_ports()
     args = {"port": port, "replica_port": replica_port, "device": "cpu", "replicas": 2,
             "redis_url": server.url, "redis_prefix": "vgtest",
+            # The shared limit is tested here, not the timeout (test_redis_limiter.py): on
+            # a starved machine Redis's answers come later than the default's 0.25 s.
+            "redis_timeout_s": 5.0,
             "global_burst": BURST, "global_per_s": 0.001,
             "classify_burst": 1000, "classify_per_s": 1000,
             "batch_size": 4, "max_batch_size": 4, "decode_workers": 1, "cache": False,
