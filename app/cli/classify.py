@@ -59,7 +59,9 @@ from vramguard_client import (
 
 from app import __version__
 from app.cli.classify_output import ImagesPerSecond, Output, Tally
+from app.cli.image_files import not_regular, open_image_file, part_name
 from app.cli.temporary_server import StartFailed, TemporaryServer, answers
+from app.config import ConfigError, Settings, load_settings
 
 IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif",
                             ".tiff", ".jfif"})
@@ -93,15 +95,29 @@ def find_images(names: Sequence[str], recursive: bool,
                 skipped += 1
                 continue
             found += sorted(p for p in entries if p.suffix.lower() in IMAGE_SUFFIXES
-                            and p.is_file())
+                            and p.is_file())  # a regular file (or a link to one) only
             if not recursive and any(p.is_dir() for p in entries):
                 warn(f"{path} has subfolders; add --recursive to tag their images too.")
         elif path.exists():
-            found.append(path)
+            why = not_regular(path)
+            if why is None:
+                found.append(path)
+            else:
+                warn(f"skipped {path}: {why}.")
+                skipped += 1
         else:
             warn(f"skipped {path}: no such file or folder.")
             skipped += 1
     return found, skipped
+
+
+def upload_limit() -> int:
+    """The most a server takes per image: its ``max_body_bytes``, as this user's settings
+    say (the server they start reads the same), else the default."""
+    try:
+        return int(load_settings().max_body_bytes)
+    except ConfigError:
+        return int(Settings.model_fields["max_body_bytes"].default)
 
 
 def batches(paths: Sequence[Path]) -> Iterator[list[Path]]:
@@ -151,8 +167,9 @@ class Streamer:
 
     def __init__(self, url: str, query: dict[str, Any], on_result: Callable[[Path, dict[str,
                  Any]], None], on_failure: Callable[[Path, dict[str, Any]], None],
-                 on_skip: Callable[[Path, OSError], None]) -> None:
+                 on_skip: Callable[[Path, OSError], None], limit: int) -> None:
         self.url = urlsplit(url)
+        self.limit = limit  # the most bytes sent for one file
         self.target = "/v1/classify/stream?" + urlencode(query)
         self.on_result, self.on_failure, self.on_skip = on_result, on_failure, on_skip
 
@@ -189,6 +206,10 @@ class Streamer:
             stream_error = {"code": "connection_lost", "message": f"the connection broke: {exc}"}
         except ValueError as exc:  # not JSON lines: not vramguard's answer
             stream_error = {"code": "unexpected_response", "message": str(exc)}
+        except Fatal:
+            if sent or reached[0] < len(paths):
+                raise
+            # Every file was skipped, so the stream held no image and was refused as such.
         finally:
             sender.cancel()
             await asyncio.gather(sender, return_exceptions=True)
@@ -213,22 +234,34 @@ class Streamer:
 
     async def _parts(self, conn: h11.Connection, writer: asyncio.StreamWriter, boundary: str,
                      paths: Sequence[Path], sent: list[Path], reached: list[int]) -> None:
-        """Write each file as a part, read just before it is sent (the server's pace
-        decides when: ``drain`` waits while it has no room)."""
+        """Write each file as a part, read in chunks as it is sent (the server's pace
+        decides when: ``drain`` waits while it has no room); one that cannot be sent is
+        that file's own problem (``app.cli.image_files``)."""
         for path in paths:
             try:
-                data = await asyncio.to_thread(path.read_bytes)
+                image = await asyncio.to_thread(open_image_file, path, self.limit)
             except OSError as exc:
                 self.on_skip(path, exc)
                 reached[0] += 1
                 continue
-            name = path.name.replace('"', "%22").replace("\r", "%0D").replace("\n", "%0A")
-            head = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; "
-                    f"filename=\"{name}\"\r\nContent-Type: application/octet-stream\r\n\r\n")
-            sent.append(path)
-            reached[0] += 1
-            writer.write(conn.send(h11.Data(data=head.encode() + data + b"\r\n")) or b"")
-            await writer.drain()
+            try:
+                head = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; "
+                        f"filename=\"{part_name(path)}\"\r\n"
+                        "Content-Type: application/octet-stream\r\n\r\n")
+                sent.append(path)
+                reached[0] += 1
+                writer.write(conn.send(h11.Data(data=head.encode())) or b"")
+                chunks = image.chunks()
+                # A read that fails part-way ends the part short: the server answers that
+                # file as a broken image, and the stream goes on.
+                with contextlib.suppress(OSError):
+                    while data := await asyncio.to_thread(next, chunks, b""):
+                        writer.write(conn.send(h11.Data(data=data)) or b"")
+                        await writer.drain()
+                writer.write(conn.send(h11.Data(data=b"\r\n")) or b"")
+                await writer.drain()
+            finally:
+                image.close()
         writer.write(conn.send(h11.Data(data=f"--{boundary}--\r\n".encode())) or b"")
         writer.write(conn.send(h11.EndOfMessage()) or b"")
         await writer.drain()
@@ -371,7 +404,7 @@ async def _tag(args: argparse.Namespace, url: str, paths: list[Path], tally: Tal
 
     query = {"top_k": args.top_k, **({"model": args.model} if args.model else {}),
              **({"embed": "true"} if args.embed else {})}
-    streamer = Streamer(url, query, result, failure, skip)
+    streamer = Streamer(url, query, result, failure, skip, upload_limit())
     for batch in batches(paths):
         todo, rounds = batch, 0
         load_by = time.monotonic() + LOADING_WAIT_S

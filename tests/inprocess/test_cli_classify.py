@@ -1,10 +1,12 @@
 """`vramguard classify`: one record per image file (JSON lines, CSV, text), broken files
-failed and reported, missing paths reported and skipped, the exit status, Ctrl-C; against
+failed and reported, missing paths reported and skipped, files that are not sendable
+(pipes, devices, huge, odd names), the exit status, Ctrl-C; against
 the real app (stand-in engine) served by uvicorn in a thread. Starting a server for the
 run: live/test_cli_classify_live.py."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 import uvicorn
 from asgi import ReadyEngine, built_app, state_of
@@ -200,3 +203,73 @@ def test_ctrl_c_stops_with_a_summary(tmp_path: Path) -> None:
     done = 1 + len(out.splitlines())
     assert re.search(rf"Stopped after {done} of 60 images: {done} tagged", err.decode()), err
     assert stats["queue_depth"] == 0 and stats["in_flight"] == 0
+
+
+def classify_command(url: str, *args: str, env: dict[str, str] | None = None,
+                     ) -> subprocess.CompletedProcess[str]:
+    """The command in a process of its own, bounded: the files here would hang or swell
+    the one that reads them."""
+    return subprocess.run(
+        [sys.executable, "-m", "app", "classify", "--json", "--strict", "--url", url, *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "clients" / "python"), **(env or {})})
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes here")
+def test_a_pipe_or_a_device_is_skipped_saying_so_and_the_rest_are_tagged(
+        tmp_path: Path) -> None:
+    """A FIFO named like an image (in a folder and named itself) would hang the command,
+    /dev/zero would read until memory ran out: each is skipped, with why."""
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    (folder / "a.jpg").write_bytes(noisy_jpeg(1))
+    os.mkfifo(folder / "pipe.jpg")
+    with serving(tmp_path) as url:
+        done = classify_command(url, str(folder), str(folder / "pipe.jpg"), "/dev/zero")
+    records = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [r["path"] for r in records] == [str(folder / "a.jpg")]
+    assert f"skipped {folder / 'pipe.jpg'}: it is a pipe, not a file" in done.stderr
+    assert "skipped /dev/zero: it is a device, not a file" in done.stderr
+    assert "1 tagged, 0 failed, 2 skipped" in done.stderr
+    assert done.returncode == 1  # --strict: files were skipped
+
+
+def test_a_file_larger_than_the_server_takes_is_skipped_before_it_is_read(
+        tmp_path: Path) -> None:
+    """A sparse 1 GiB file named .jpg costs no disk; read whole, it cost 4 GB of memory."""
+    big = tmp_path / "big.jpg"
+    with big.open("wb") as out:
+        out.truncate(1024**3)
+    small = tmp_path / "small.jpg"
+    small.write_bytes(noisy_jpeg(2))
+    with serving(tmp_path) as url:
+        command = subprocess.Popen(
+            [sys.executable, "-m", "app", "classify", "--json", "--url", url, str(big),
+             str(small)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, env={**os.environ, "PYTHONPATH": str(ROOT / "clients" / "python")})
+        peak = 0
+        watched = psutil.Process(command.pid)
+        while command.poll() is None:
+            with contextlib.suppress(psutil.Error):
+                peak = max(peak, watched.memory_info().rss)
+            time.sleep(0.02)
+        out, err = command.communicate(timeout=60)
+    done = subprocess.CompletedProcess(command.args, command.returncode, out, err)
+    assert f"skipped {big}: it is 1.0 GiB, more than the 32 MiB vramguard takes per " \
+        "image (max_body_bytes)" in done.stderr, done.stderr
+    assert [json.loads(line)["path"] for line in done.stdout.splitlines()] == [str(small)]
+    assert peak < 300 * 1024**2, peak  # the command's own memory, far from the file's size
+
+
+def test_a_file_name_that_is_not_utf8_is_sent_like_any_other(tmp_path: Path) -> None:
+    """Such a name crashed the sender: every file of its stream failed after 10 s."""
+    folder = tmp_path / "names"
+    folder.mkdir()
+    odd = folder / os.fsdecode(b"caf\xe9 \"1\".jpg")
+    odd.write_bytes(noisy_jpeg(3))
+    (folder / "plain.jpg").write_bytes(noisy_jpeg(4))
+    with serving(tmp_path) as url:
+        done = classify_command(url, str(folder))
+    assert done.returncode == 0, done.stderr
+    records = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(records) == 2 and all("predictions" in r for r in records), records
