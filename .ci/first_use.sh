@@ -58,6 +58,28 @@ curl -fs --data-binary @"$repo/tests/data/coffee.jpg" -H 'Content-Type: image/jp
     "127.0.0.1:$port/v1/classify" | grep -q espresso || fail "the README's curl"
 "$vg" classify --url "http://127.0.0.1:$port" --json photos | grep -q espresso \
     || fail "classify against a running server"
+
+step "your own model: the worked example, then vramguard models add, list, classify --model, remove"
+"$work/.venv/bin/python" "$repo/docs/own_models/train_timm.py" made > train.log 2>&1 || {
+    cat train.log; fail "docs/own_models/train_timm.py"; }
+"$vg" models add made/onnx --name shapes > add.log 2>&1 || { cat add.log; fail "models add"; }
+"$vg" models list | grep "shapes" > /dev/null || fail "models list"
+"$work/.venv/bin/python" - "$repo/docs/own_models" shapes <<'PY' || fail "drawing pictures"
+import sys
+sys.path.insert(0, sys.argv[1])
+import shapes_data
+from pathlib import Path
+Path(sys.argv[2]).mkdir()
+for index, (image, label) in enumerate(shapes_data.make_images(6, seed=99)):
+    image.save(f"{sys.argv[2]}/{index}-{shapes_data.LABELS[label]}.png")
+PY
+"$vg" classify --url "http://127.0.0.1:$port" --model shapes --top-k 1 --csv shapes \
+    > shapes.csv || { cat shapes.csv; fail "classify --model shapes"; }
+wrong=$(awk -F, 'NR > 1 { split($1, name, "-"); sub(/\.png$/, "", name[2]);
+                          if (name[2] != $3) print $1 }' shapes.csv)
+[ -z "$wrong" ] || { cat shapes.csv; fail "classify --model shapes: wrong for $wrong"; }
+"$vg" models remove shapes || fail "models remove"
+"$vg" models list | grep "shapes" > /dev/null && fail "models list after remove"
 "$vg" stop --port "$port" || fail "stop"
 wait "$server" || true
 server=""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -137,6 +138,17 @@ def windowed_main(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The console program. A reader that stops early (``vramguard models list | head -1``)
+    ends it quietly with status 1, not a traceback."""
+    try:
+        return _command(argv)
+    except BrokenPipeError:
+        # Python's advice: stdout to devnull, so that the flush at exit raises nothing more.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _command(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "classify":  # a client of the appliance: no settings of its own
         from app.cli.classify import run_classify  # vramguard_client ships with vramguard

@@ -4,11 +4,14 @@ unit/cli/test_cli.py)."""
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 from cli_process import run_cli
-from live_server import live_server
+from live_server import ROOT, live_server
 
 
 # loads the model and times every batch size up to 32
@@ -45,3 +48,16 @@ def test_server_logs_to_a_rotating_file_in_the_user_log_folder(tmp_path):
     assert server.log_text().count(warning) == 1  # stderr
     doctor = run_cli("doctor")
     assert "log folder" in doctor.stdout
+
+
+def test_a_reader_that_stops_early_ends_the_command_quietly(tmp_path):
+    """`vramguard models list | grep -q NAME` under `set -o pipefail` (how .ci/first_use.sh
+    first met it): the reader is gone before the listing is written."""
+    env = {**os.environ, "VRAMGUARD_MODELS_DIR": str(tmp_path / "models")}
+    listing = subprocess.Popen([sys.executable, "-m", "app", "models", "list"], cwd=ROOT,
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert listing.stdout is not None and listing.stderr is not None
+    listing.stdout.close()  # before the program has written anything
+    errors = listing.stderr.read().decode()
+    assert listing.wait(60) == 1
+    assert "Traceback" not in errors and "BrokenPipeError" not in errors, errors
