@@ -127,9 +127,11 @@ def serve(settings: Settings, launched_by: int | None = None) -> int:
     from app.engine.device import DeviceError, resolve_device
     from app.host.logs import flush_repeats, setup_logging
     from app.host.user_files import check_user_files, reason
+    from app.http.connection_share import trusted_caller
     from app.http.connections import connection_limits, guarded_protocol, listening_socket
     from app.http.server import create_app
     from app.models import ModelLoadError, resolve_weights
+    from app.models.own.store import OwnModels
 
     if settings.host not in LOOPBACK_HOSTS:
         if not settings.allow_remote:
@@ -142,7 +144,10 @@ def serve(settings: Settings, launched_by: int | None = None) -> int:
               "network can reach this appliance.", file=sys.stderr)
     try:
         resolve_device(settings.device)
-        resolve_weights(settings.model, settings.weights)
+        # One of your models is checked as it loads (its trial, once per content).
+        if settings.weights is not None or OwnModels(settings.models_dir).get(
+                settings.model) is None:
+            resolve_weights(settings.model, settings.weights)
     except (DeviceError, ModelLoadError) as exc:
         print(f"vramguard: {exc}", file=sys.stderr)
         return 1
@@ -213,7 +218,9 @@ def serve(settings: Settings, launched_by: int | None = None) -> int:
                             log_level=settings.log_level, timeout_graceful_shutdown=graceful_s,
                             timeout_keep_alive=settings.idle_timeout_s, proxy_headers=False,
                             access_log=settings.log_level == "debug",
-                            http=guarded_protocol(limits, app.state.vg.stats), log_config=None)
+                            http=guarded_protocol(limits, app.state.vg.stats,
+                                                  trusted_caller(app.state.vg)),
+                            log_config=None)
     server = _Server(config, on_exit=app.state.vg.feed.close)
     try:
         server.run(sockets=[listener])
