@@ -146,6 +146,24 @@ def _constants_as_initializers(proto: Any) -> None:
         value.name = node.output[0]
         graph.initializer.append(value)
         graph.node.remove(node)
+    _shared_initializers_copied(graph)
+
+
+def _shared_initializers_copied(graph: Any) -> None:
+    """An ``Identity`` of an initializer, as an initializer of its own: torch.onnx.export
+    writes equal tensors (a fresh model's zero biases) once and points at it through
+    Identity nodes, and onnx2torch's converters look their weights up among the
+    initializers only."""
+    from onnx import TensorProto
+
+    stored = {t.name: t for t in graph.initializer}
+    for node in [n for n in graph.node if n.op_type == "Identity" and n.domain in ("", "ai.onnx")
+                 and len(n.input) == 1 and n.input[0] in stored and len(n.output) == 1]:
+        copy = TensorProto()
+        copy.CopyFrom(stored[node.input[0]])
+        copy.name = node.output[0]
+        graph.initializer.append(copy)
+        graph.node.remove(node)
 
 
 def _initializers(proto: Any) -> list[Any]:

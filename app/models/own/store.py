@@ -35,6 +35,7 @@ NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 HIDDEN = "."  # names the store itself uses: incoming copies, removals, verdicts
 VERDICTS = ".checked"
 SCAN_EVERY_S = 3.0
+MISS_RESCAN_S = 0.25  # an unknown name rescans the folder at most this often
 Trial = Callable[[Path, str], TrialResult]
 
 
@@ -114,8 +115,17 @@ class OwnModels:
             return [self._entries[name] for name in sorted(self._entries)]
 
     def get(self, name: str) -> OwnEntry | None:
-        """The entry named exactly ``name``, from the latest scan (scanning if due)."""
-        return next((e for e in self.scan() if e.name == name), None)
+        """The entry named exactly ``name``, from the latest scan (scanning if due). A name
+        not there is looked for again at once, at most every MISS_RESCAN_S (a model just
+        added answers its first request; a flood of unknown names costs one scan in that
+        time)."""
+        found = next((e for e in self.scan() if e.name == name), None)
+        if found is None:
+            with self._lock:
+                due = self._clock() - self._scanned_at >= MISS_RESCAN_S
+            if due:
+                found = next((e for e in self.scan(force=True) if e.name == name), None)
+        return found
 
     def stamp(self, name: str) -> tuple[int, ...] | None:
         """The folder's sizes and change times at the latest scan (scanning if due): a

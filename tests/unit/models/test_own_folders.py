@@ -293,3 +293,33 @@ def test_a_description_reads_a_timm_hugging_face_folder_without_a_manifest(tmp_p
         "timm-hf", ("a", "b", "c"), "test_byobnet")
     assert (spec.crop, spec.resize, spec.interpolation, spec.mean, spec.std) == (
         48, 64, "bicubic", (127.5,) * 3, (63.75,) * 3)
+
+
+def test_an_onnx_model_with_equal_weights_shared_by_identity_nodes_loads(store, tmp_path):
+    """torch.onnx.export writes equal tensors once, behind Identity nodes (two zero biases
+    here, as in a model just initialised): onnx2torch looked for the second among the
+    initializers and the folder was refused with a bare "'onnx::Conv_…'"."""
+    from app.models.own.loading import load_own
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 4, 3), nn.AdaptiveAvgPool2d(1),
+                           nn.Flatten(), nn.Linear(4, 3)).eval()
+    with torch.no_grad():
+        for conv in (module[0], module[1]):
+            conv.bias.zero_()
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    torch.onnx.export(module, (torch.randn(2, 3, 32, 32),), folder / "model.onnx",
+                      dynamo=False, opset_version=17, input_names=["image"],
+                      output_names=["scores"], dynamic_axes={"image": {0: "n"}})
+    import onnx
+
+    assert any(n.op_type == "Identity" for n in onnx.load(str(folder / "model.onnx")).graph.node)
+    (folder / "labels.txt").write_text(LABELS)
+    (folder / "vramguard.toml").write_text(MANIFEST.format(format="onnx", file="model.onnx",
+                                                           extra=""))
+    added = store.add(folder, "shared")
+    loaded = load_own(added, store.ensure_checked("shared"), torch.device("cpu"))
+    pixels = torch.randn(5, 3, 32, 32)
+    with torch.inference_mode():
+        assert torch.allclose(loaded.module(pixels), module(pixels), atol=1e-5)
