@@ -3,12 +3,18 @@
     python -m packaging.smoke --bundle dist/vramguard [--json report.json]
     python -m packaging.smoke --venv            # the same checks on `python -m app`
 
-Starts `vramguard serve` on a free loopback port with its settings, token, cache and
-logs in a temporary folder (the user's own are never touched), waits for /readyz,
-classifies a photo of an espresso, checks that a second launch announces the running
-one instead of failing, runs `vramguard doctor`, and stops the server with
-`vramguard stop`, which must end it with exit status 0. Reports the time to ready and
-the peak memory (RSS) of the server process. Exit status 0 only if every step passed.
+Starts `vramguard serve` on a free loopback port with its settings, token, cache,
+models and logs in a temporary folder (the user's own are never touched), waits for
+/readyz, classifies a photo of an espresso, checks that a second launch announces the
+running one instead of failing, runs `vramguard doctor`, and stops the server with
+`vramguard stop`, which must end it with exit status 0. Before it starts, own models are
+added (docs/own-models.md), one per loader a bundle must carry: a timm Hugging Face
+folder and an ONNX file with `vramguard models add` (its trial load runs in a process the
+program spawns), and a transformers folder put in the models folder by hand (the server's
+own trial); `vramguard models list` must list all three and the server must classify the
+photo with each. The folders are written, untrained, by this Python (the build
+environment's timm, torch.onnx and transformers). Reports the time to ready and the
+peak memory (RSS) of the server process. Exit status 0 only if every step passed.
 """
 
 from __future__ import annotations
@@ -16,12 +22,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import httpx
@@ -30,6 +38,11 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 PHOTO = ROOT / "tests" / "data" / "coffee.jpg"
 EXPECTED_LABEL = "espresso"
+OWN_LABELS = ("circle", "square", "triangle")
+OWN_SIZE = 64  # pixels: small models, so each own-model step takes seconds
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+ADDED = ("smoke-timm", "smoke-onnx")  # with `vramguard models add`
+BY_HAND = "smoke-transformers"  # copied into the models folder
 
 
 class SmokeFailure(Exception):
@@ -74,8 +87,116 @@ def isolated_env(folder: Path) -> dict[str, str]:
                VRAMGUARD_TOKEN_FILE=str(folder / "admin-token"),
                VRAMGUARD_CACHE_DIR=str(folder / "cache"),
                VRAMGUARD_LOG_DIR=str(folder / "logs"),
+               VRAMGUARD_MODELS_DIR=str(folder / "models"),
+               VRAMGUARD_PROFILE_DIR=str(folder / "profiles"),
                VRAMGUARD_MAX_BATCH_SIZE="8")
     return env
+
+
+def write_own_models(folder: Path) -> dict[str, Path]:
+    """One untrained model folder per loader: timm's Hugging Face layout (timm and
+    safetensors), an ONNX file (onnx and onnx2torch), and transformers' save_pretrained
+    layout. Untrained is enough: the bundle must load them, not be right."""
+    import timm
+    import torch
+    from transformers import ConvNextImageProcessor, ResNetConfig, ResNetForImageClassification
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # one bar per file, in the smoke's output
+
+    torch.manual_seed(0)
+    folders = {name: folder / name for name in (*ADDED, BY_HAND)}
+    model = timm.create_model("test_byobnet", num_classes=len(OWN_LABELS)).eval()
+    # Every tensor different, as in a trained model: torch.onnx.export writes equal tensors
+    # (a fresh model's zero biases) once, behind Identity nodes, and onnx2torch cannot
+    # take a convolution's bias from one.
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            if tensor.is_floating_point():
+                tensor.add_(torch.rand_like(tensor) * 0.01)
+    timm.models.save_for_hf(model, folders["smoke-timm"], safe_serialization=True,
+                            model_config={"label_names": list(OWN_LABELS)},
+                            data_config={"input_size": (3, OWN_SIZE, OWN_SIZE),
+                                         "crop_pct": 0.875, "interpolation": "bilinear",
+                                         "mean": IMAGENET_MEAN, "std": IMAGENET_STD})
+    onnx = folders["smoke-onnx"]
+    onnx.mkdir()
+    # Opset 17 and the TorchScript exporter, as docs/own_models/train_timm.py exports
+    # (onnx2torch lacks some later operators); its deprecation warning is not the smoke's.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.onnx.export(model, (torch.zeros(2, 3, OWN_SIZE, OWN_SIZE),),
+                          onnx / "model.onnx", dynamo=False, opset_version=17,
+                          input_names=["pixels"], output_names=["scores"],
+                          dynamic_axes={"pixels": {0: "batch"}, "scores": {0: "batch"}})
+    (onnx / "labels.txt").write_text("\n".join(OWN_LABELS) + "\n", encoding="utf-8")
+    (onnx / "vramguard.toml").write_text(
+        'labels = "labels.txt"\n\n[model]\nformat = "onnx"\nfile = "model.onnx"\n\n'
+        f"[preprocessing]\nsize = {OWN_SIZE}\n", encoding="utf-8")
+    config = ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
+                          layer_type="basic", id2label=dict(enumerate(OWN_LABELS)),
+                          label2id={label: i for i, label in enumerate(OWN_LABELS)})
+    ResNetForImageClassification(config).eval().save_pretrained(folders[BY_HAND])
+    ConvNextImageProcessor(size={"shortest_edge": OWN_SIZE}, crop_pct=0.875).save_pretrained(
+        folders[BY_HAND])
+    return folders
+
+
+def add_own_models(command: list[str], env: dict[str, str], sources: dict[str, Path]
+                   ) -> dict[str, float]:
+    """``ADDED`` through `vramguard models add`, ``BY_HAND`` copied in; `models list` must
+    list them all. Returns the seconds each `models add` took."""
+    seconds: dict[str, float] = {}
+    for name in ADDED:
+        started = time.monotonic()
+        added = run_step([*command, "models", "add", str(sources[name]), "--name", name],
+                         env, 300)
+        seconds[name] = round(time.monotonic() - started, 2)
+        if f"Added {name}:" not in added:
+            raise SmokeFailure(f"`models add` did not add {name}:\n{added}")
+    shutil.copytree(sources[BY_HAND], Path(env["VRAMGUARD_MODELS_DIR"]) / BY_HAND)
+    listed = run_step([*command, "models", "list"], env, 120)  # exit 1: a broken folder
+    rows = {tuple(line.split()[:3]) for line in listed.splitlines()}
+    expected = {("smoke-timm", "classify", "timm-hf"), ("smoke-onnx", "classify", "onnx"),
+                (BY_HAND, "classify", "transformers")}
+    if not expected <= rows:
+        raise SmokeFailure(f"`models list` does not list {sorted(expected - rows)}:\n{listed}")
+    return seconds
+
+
+def classify_loading(url: str, name: str, timeout: float = 300) -> httpx.Response:
+    """The photo through model ``name``, asked again as each 503 "loading" says (a
+    request whose deadline passes during the load gets one; a loaded machine takes
+    longer)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        answer = httpx.post(f"{url}/v1/classify", params={"model": name},
+                            content=PHOTO.read_bytes(),
+                            headers={"Content-Type": "image/jpeg"}, timeout=timeout)
+        loading = (answer.status_code == 503
+                   and answer.json().get("error", {}).get("code") == "loading")
+        if not loading or time.monotonic() > deadline:
+            return answer
+        time.sleep(float(answer.headers.get("Retry-After", "1")))
+
+
+def classify_own_models(url: str) -> dict[str, dict[str, object]]:
+    """The photo through each own model: a label of its own, and the seconds until the
+    first answer (the hand-copied folder's trial, each model's load and measurement)."""
+    answers: dict[str, dict[str, object]] = {}
+    for name in (*ADDED, BY_HAND):
+        started = time.monotonic()
+        answer = classify_loading(url, name)
+        if answer.status_code != 200:
+            raise SmokeFailure(f"classify with {name} answered {answer.status_code}: "
+                               f"{answer.text}")
+        body = answer.json()
+        label = body["predictions"][0]["label"]
+        if body["model"] != name or label not in OWN_LABELS:
+            raise SmokeFailure(f"classify with {name} answered {body}")
+        answers[name] = {"label": label, "first_request_s":
+                         round(time.monotonic() - started, 2)}
+    return answers
 
 
 def wait_ready(url: str, process: subprocess.Popen[bytes], timeout: float, log: Path) -> None:
@@ -106,6 +227,7 @@ def smoke(command: list[str], ready_timeout: float) -> dict[str, object]:
     with tempfile.TemporaryDirectory(prefix="vramguard-smoke-") as temporary:
         folder = Path(temporary)
         env = isolated_env(folder)
+        added_s = add_own_models(command, env, write_own_models(folder / "own-models"))
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         log = folder / "server.log"
@@ -124,6 +246,7 @@ def smoke(command: list[str], ready_timeout: float) -> dict[str, object]:
             label = answer.json()["predictions"][0]["label"]
             if label != EXPECTED_LABEL:
                 raise SmokeFailure(f"classify said {label!r}, expected {EXPECTED_LABEL!r}")
+            own = classify_own_models(url)
             again = run_step([*command, "serve", "--port", str(port)], env, 60)
             if "already running" not in again:
                 raise SmokeFailure(f"a second launch did not find the first:\n{again}")
@@ -144,7 +267,9 @@ def smoke(command: list[str], ready_timeout: float) -> dict[str, object]:
                 server.wait()
     return {"command": " ".join(command), "time_to_ready_s": round(ready_s, 2),
             "peak_rss_bytes": peak, "label": label, "doctor_s": round(doctor_s, 2),
-            "doctor": doctor.splitlines()}
+            "doctor": doctor.splitlines(),
+            "own_models": {name: {**answer, "add_s": added_s.get(name)}
+                           for name, answer in own.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,7 +297,9 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(result, indent=2), encoding="utf-8")
     print(f"smoke: passed - ready in {result['time_to_ready_s']} s, peak RSS "
           f"{result['peak_rss_bytes'] / 1024**2:.0f} MiB, top label {result['label']!r}, "
-          f"doctor {result['doctor_s']} s")
+          f"doctor {result['doctor_s']} s, own models "
+          + ", ".join(f"{name} {answer['label']!r}"
+                      for name, answer in result["own_models"].items()))
     return 0
 
 

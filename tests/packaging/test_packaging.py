@@ -67,6 +67,8 @@ def test_smoke_passes_on_the_bundle(dist):
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads((dist / "smoke.json").read_text())
     assert result["label"] == "espresso" and result["peak_rss_bytes"] > 0
+    # An own model of each loader was added (or copied in), listed and served.
+    assert set(result["own_models"]) == {"smoke-timm", "smoke-onnx", "smoke-transformers"}
     assert any("CUDA libraries" in line and "bundled" in line for line in result["doctor"])
 
 

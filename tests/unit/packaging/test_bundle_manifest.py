@@ -1,6 +1,7 @@
-"""packaging/build.py's checks on a folder shaped like a bundle (no PyInstaller run), and
-the Windows manifest, part size and path length held to the real Windows torch wheels
-(their file list in tests/data/windows-cpu-wheels.json, made by packaging/wheel_files.py)."""
+"""packaging/build.py's checks on a folder shaped like a bundle (no PyInstaller run), the
+files loading an own model needs, and the Windows manifest, part size and path length
+held to the real Windows torch wheels (their file list in tests/data/windows-cpu-wheels.json,
+made by packaging/wheel_files.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,18 @@ from live_server import ROOT
 from installer.build_installer import DEFAULT_PART_BYTES
 
 WHEELS = json.loads((ROOT / "tests" / "data" / "windows-cpu-wheels.json").read_text())
-WINDOWS = tomllib.loads((ROOT / "packaging" / "manifest.toml").read_text())["windows"]
+MANIFEST = tomllib.loads((ROOT / "packaging" / "manifest.toml").read_text())
+WINDOWS = MANIFEST["windows"]
+# What loading an own model needs as files (docs/own-models.md): safetensors' and onnx's
+# compiled halves, and the transformers sources its lazy modules read at run time.
+TRANSFORMERS_SOURCES = ["_internal/transformers/models/auto/modeling_auto.py",
+                        "_internal/transformers/models/resnet/modeling_resnet.py"]
+OWN_MODELS = {
+    "linux": ["_internal/safetensors/_safetensors_rust*.so",
+              "_internal/onnx/onnx_cpp2py_export*.so", *TRANSFORMERS_SOURCES],
+    "windows": ["_internal/safetensors/_safetensors_rust*.pyd",
+                "_internal/onnx/onnx_cpp2py_export*.pyd", *TRANSFORMERS_SOURCES],
+}
 
 
 def load_build():
@@ -85,6 +97,32 @@ def test_a_bundle_without_torchvision_ops_or_nvrtc_builtins_fails_the_build(tmp_
     assert done.returncode == 1
     assert "missing: _internal/torchvision/_C_stable.so" in done.stderr
     assert "missing: _internal/nvidia/cu13/lib/libnvrtc-builtins.so.*" in done.stderr
+
+
+def test_the_manifest_requires_what_loading_an_own_model_needs():
+    for platform, entries in OWN_MODELS.items():
+        assert [entry for entry in entries if entry not in MANIFEST[platform]["core"]] == []
+
+
+def test_the_own_model_entries_name_files_the_installed_packages_have():
+    """The Linux entries, held to this Python's safetensors, onnx and transformers (the
+    Windows ones name the win_amd64 wheels' .pyd files, as manifest.toml says)."""
+    import torch
+
+    site = Path(torch.__file__).parent.parent
+    assert [entry for entry in OWN_MODELS["linux"]
+            if not list(site.glob(entry.removeprefix("_internal/")))] == []
+
+
+def test_a_bundle_without_what_own_models_need_fails_the_build(tmp_path):
+    bundle = fake_bundle(tmp_path, "linux")
+    for entry in OWN_MODELS["linux"]:
+        for path in bundle.glob(entry):
+            path.unlink()
+    done = verify(tmp_path)
+    assert done.returncode == 1
+    assert [entry for entry in OWN_MODELS["linux"] if f"missing: {entry}" not in done.stderr
+            ] == []
 
 
 def test_cpu_only_builds_skip_the_cuda_libraries(tmp_path):
