@@ -7,9 +7,16 @@ bytes received by requests still in progress are capped in total and per client 
 rate limiter's client); a chunk that would pass a cap gets the upload 503 with
 ``Retry-After``. A declared ``Content-Length`` over the size limit gets 413 before a
 byte is read; a chunked or lying body is cut off as soon as it passes the limit. A body
-that makes no progress for ``read_timeout_s`` gets 408 and its connection is closed.
-Requests without a body pass untouched (a GET that waits for its client to hang up must
-not time out).
+that makes no progress for ``read_timeout_s`` gets 408 and its connection is closed,
+and so does one that arrives slower than its whole-body deadline allows
+(``app.gates.upload_deadline``): its place in line and its bytes are given back as the
+refusal unwinds the route. Requests without a body pass untouched (a GET that waits for
+its client to hang up must not time out).
+
+Only the image routes take uploads; every other route (``/v1/identity`` and
+``/v1/ui/session`` take a few dozen bytes of JSON, the rest none) is held to
+``SMALL_BODY_BYTES``, so that a route anyone may call cannot be made to wait for a large
+body.
 
 The no-progress clock runs only while the app waits in ``receive`` for the next chunk,
 so a route that stops reading on purpose is never "stalled" by its own pause; a client
@@ -31,17 +38,20 @@ is needed.)
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from contextlib import suppress
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import Overloaded, PayloadTooLarge, RequestTimeout
 from app.gates import refuse
-from app.http.scope import STREAM_ROUTES, client_key
+from app.gates.upload_deadline import BodyDeadline, UploadPace
+from app.http.scope import IMAGE_ROUTES, OIP_INFER, STREAM_ROUTES, client_key
 from app.http.stats import RequestStats
 from app.units import human_bytes
 
 DRAIN_FACTOR = 4  # refused bodies up to 4x the size limit are read through, not reset
+SMALL_BODY_BYTES = 1024  # the most a route that takes no upload reads (a nonce is 77 bytes)
 CLOSE = (b"connection", b"close")
 UPLOAD_KEY = "vramguard.upload"  # the request's Upload, in its ASGI scope, for body_done
 
@@ -64,6 +74,12 @@ def too_many_uploads() -> Overloaded:
 def too_many_from_client() -> Overloaded:
     return Overloaded("This program is sending too many images at once. Wait for its "
                       "earlier uploads to finish, then try again.", retry_after=1)
+
+
+def not_an_upload(limit: int) -> PayloadTooLarge:
+    return PayloadTooLarge(f"This request may carry at most {human_bytes(limit)}: only "
+                           "/v1/classify, /v1/embed, /v1/classify/stream and /v2 infer take "
+                           "images.")
 
 
 def stalled(timeout_s: float) -> RequestTimeout:
@@ -89,16 +105,18 @@ def has_body(scope: Scope) -> bool:
 
 
 class BodySizeLimit:
-    """413 for a body over ``max_bytes`` (``max_stream_bytes`` for an image stream); 503
-    when the bytes received by requests in progress would pass ``max_inflight_bytes``, or
-    ``max_client_bytes`` for one client; 408 when a body stalls for ``read_timeout_s``. Its
-    own refusals are counted in ``stats``; those raised while a route reads the body are
-    the app's to answer."""
+    """413 for a body over ``max_bytes`` (``max_stream_bytes`` for an image stream,
+    ``SMALL_BODY_BYTES`` for a route that takes no upload); 503 when the bytes received by
+    requests in progress would pass ``max_inflight_bytes``, or ``max_client_bytes`` for one
+    client; 408 when a body stalls for ``read_timeout_s`` or arrives slower than ``pace``
+    allows (None: no whole-body deadline). Its own refusals are counted in ``stats``; those
+    raised while a route reads the body are the app's to answer."""
 
     def __init__(self, app: ASGIApp, max_bytes: int, max_inflight_bytes: int,
                  max_client_bytes: int, read_timeout_s: float, stats: RequestStats,
-                 max_stream_bytes: int | None = None) -> None:
+                 max_stream_bytes: int | None = None, pace: UploadPace | None = None) -> None:
         self.app = app
+        self.pace = pace
         self.max_bytes = max_bytes
         self.max_stream_bytes = max_stream_bytes or max_bytes
         self.max_inflight_bytes = max_inflight_bytes
@@ -115,10 +133,9 @@ class BodySizeLimit:
             return
         declared = declared_length(scope)
         paced = scope["path"] in STREAM_ROUTES
-        upload = Upload(self, client_key(scope), receive, send,
-                        self.max_stream_bytes if paced else self.max_bytes, paced)
+        upload = Upload(self, client_key(scope), receive, send, self.allowance(scope), paced)
         if declared > upload.limit:
-            if declared <= DRAIN_FACTOR * self.max_bytes:
+            if declared <= upload.drain_limit:
                 await upload.drain()
             await refuse(upload.too_large(), self.stats, scope, receive, upload.send)
             return
@@ -127,6 +144,15 @@ class BodySizeLimit:
             await self.app(scope, upload.receive, upload.send)
         finally:
             self.release(upload)
+
+    def allowance(self, scope: Scope) -> int:
+        """The most body bytes the request's route reads."""
+        path = scope["path"]
+        if path in STREAM_ROUTES:
+            return self.max_stream_bytes
+        if path in IMAGE_ROUTES or OIP_INFER.match(path):
+            return self.max_bytes
+        return min(SMALL_BODY_BYTES, self.max_bytes)
 
     def charge(self, upload: Upload, size: int) -> Overloaded | None:
         """Count ``size`` more bytes held by ``upload``, or say which cap it would pass."""
@@ -202,8 +228,9 @@ def body_dropped(scope: Scope, size: int) -> None:
 
 class Upload:
     """One request's body as it arrives: each chunk charged to the totals (``paced``: when
-    there is room), each wait for the next chunk timed, the whole held to ``limit``, and
-    ``Connection: close`` on the answer if the body stalled."""
+    there is room), each wait for the next chunk timed and all of them held to the
+    whole-body deadline, the whole held to ``limit``, and ``Connection: close`` on the
+    answer if the body stalled or came too slowly."""
 
     def __init__(self, gate: BodySizeLimit, client: str, receive: Receive, send: Send,
                  limit: int, paced: bool = False) -> None:
@@ -217,18 +244,32 @@ class Upload:
         self.charged = 0  # of those, the ones passed on, held until the request ends
         self.ended = False  # the last chunk (or a disconnect) has come
         self.stalled = False
+        self.cut: RequestTimeout | None = None  # why the body was cut off, once it was
+        self.deadline = BodyDeadline(gate.pace) if gate.pace is not None else None
+
+    @property
+    def drain_limit(self) -> int:
+        """The most of a refused body read through before answering."""
+        return DRAIN_FACTOR * min(self.limit, self.gate.max_bytes)
 
     async def _next(self) -> Message:
-        """The next message; RequestTimeout if the body makes no progress in time. Once the
+        """The next message; RequestTimeout if the body makes no progress in time or passes
+        its whole-body deadline (and at every later read: a cut body is over). Once the
         body has ended only a disconnect can come, and waiting for it is not a stall."""
         if self.ended:
             return await self._receive()
+        if self.cut is not None:
+            raise self.cut
+        wait_s = self.gate.read_timeout_s
+        left_s = wait_s if self.deadline is None else self.deadline.left_s(self.received)
         try:
-            async with asyncio.timeout(self.gate.read_timeout_s):
-                message = await self._receive()
+            async with asyncio.timeout(max(0.0, min(wait_s, left_s))):
+                message = await self._timed(self._receive())
         except TimeoutError:
             self.stalled = True
-            raise stalled(self.gate.read_timeout_s) from None
+            self.cut = (stalled(wait_s) if self.deadline is None or wait_s <= left_s
+                        else self.deadline.too_slow(self.received))
+            raise self.cut from None
         if message["type"] == "http.request":
             self.received += len(message.get("body", b""))
         if message["type"] != "http.request" or not message.get("more_body", False):
@@ -250,14 +291,25 @@ class Upload:
             raise refusal
         return message
 
+    async def _timed(self, waiting: Awaitable[Message]) -> Message:
+        """``waiting``, its time counted against the whole-body deadline (if any)."""
+        if self.deadline is None:
+            return await waiting
+        with self.deadline.waiting():
+            return await waiting
+
     def too_large(self) -> PayloadTooLarge:
-        return stream_too_large(self.limit) if self.paced else too_large(self.limit)
+        if self.paced:
+            return stream_too_large(self.limit)
+        if self.limit < self.gate.max_bytes:
+            return not_an_upload(self.limit)
+        return too_large(self.limit)
 
     async def drain(self) -> None:
-        """Read the rest of the body and drop it, up to DRAIN_FACTOR times the size limit;
-        a stall ends it (the answer then closes the connection)."""
+        """Read the rest of the body and drop it, up to ``drain_limit``; a stall or the
+        whole-body deadline ends it (the answer then closes the connection)."""
         with suppress(RequestTimeout):
-            while not self.ended and self.received <= DRAIN_FACTOR * self.gate.max_bytes:
+            while not self.ended and self.received <= self.drain_limit:
                 await self._next()
 
     async def send(self, message: Message) -> None:

@@ -1,6 +1,16 @@
 """Limits on connections that uvicorn does not have: a cap on open connections answered
-with the usual JSON 503, a deadline for receiving each request head (a silent or
-slowloris connection is closed), and the open-files limit raised at start.
+with the usual JSON 503, a share of it kept for the health checks and the token's or
+key's holders, a deadline for receiving each request head (a silent or slowloris
+connection is closed), and the open-files limit raised at start.
+
+The share: the cap acts when a connection is made, before its head is read, so it cannot
+tell who is calling. Everyone may use ``open_to_all`` of the ``max_connections``; past
+that, a connection is let in for its request head only, and that head decides
+(``app/http/connection_share.py``): a health check or a caller with the admin token, a
+dashboard session or the API key is served, then the connection is closed; anyone else
+gets the 503 at once. A connection past everyone's part that has sent no head yet is the
+first to go when the whole cap is reached: the next connection takes its place, so
+silent sockets cannot hold the share either.
 
 uvicorn closes an idle connection only after a response (its keep-alive timer), never a
 fresh one that sends nothing or a head that trickles in; its own ``limit_concurrency``
@@ -21,6 +31,7 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from app.errors import Overloaded
+from app.http.connection_share import OneAnswer, Trusted, health_check
 from app.http.stats import RequestStats
 
 log = logging.getLogger("vramguard.connections")
@@ -29,6 +40,8 @@ LINGER_S = 0.5  # how long a refused connection may take to read its answer and 
 FILES_RESERVE = 64  # file handles kept for the log, the cache, the model, refusals…
 FILES_RESERVE_SHARE = 4  # …or a quarter of the limit, whichever is more
 MIN_CONNECTIONS = 8
+SHARE_DIVISOR = 16  # a sixteenth of the cap is kept for health checks and trusted callers…
+MIN_SHARE = 2  # …at least this many, and never more than half of it
 NO_RLIMIT_TARGET = 65536  # when the hard limit is "unlimited", ask for this many
 # accept() failures after which asyncio pauses accepting for a second
 OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
@@ -38,6 +51,13 @@ OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 class ConnectionLimits:
     max_connections: int
     header_timeout_s: float
+
+    @property
+    def open_to_all(self) -> int:
+        """Connections anyone may hold; the rest of the cap is the kept share."""
+        share = min(self.max_connections // 2,
+                    max(MIN_SHARE, self.max_connections // SHARE_DIVISOR))
+        return self.max_connections - share
 
 
 def raise_open_files_limit() -> tuple[int, int] | None:
@@ -114,13 +134,22 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return _Listener(bound.family, bound.type, bound.proto, fileno=bound.detach())
 
 
+def too_many_connections() -> Overloaded:
+    return Overloaded("vramguard has too many connections open right now. Try again in a "
+                      "moment; if this keeps happening, a program on this computer may be "
+                      "opening connections without closing them.", retry_after=RETRY_AFTER_S)
+
+
+def refused_past_share() -> Overloaded:
+    log.warning("refused a connection: everyone's part of max_connections is in use, and "
+                "the rest is kept for health checks and callers with the token or key")
+    return too_many_connections()
+
+
 def overloaded_response() -> bytes:
     """A whole HTTP/1.1 503 with the API's JSON error body, written before any request is
     read: a client over the cap gets the same answer as any other overload."""
-    response = Overloaded("vramguard has too many connections open right now. Try again "
-                          "in a moment; if this keeps happening, a program on this computer "
-                          "may be opening connections without closing them.",
-                          retry_after=RETRY_AFTER_S).response()
+    response = too_many_connections().response()
     head = [b"HTTP/1.1 503 Service Unavailable",
             *(name + b": " + value for name, value in response.raw_headers),
             b"connection: close"]
@@ -192,19 +221,23 @@ class _OnePacket:
 
 
 class GuardedH11Protocol(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol plus the cap, the request-head deadline and one packet
-    per response. Make one with `guarded_protocol`; uvicorn's keep-alive timer is still
-    the idle timeout."""
+    """uvicorn's HTTP/1.1 protocol plus the cap and its kept share, the request-head
+    deadline and one packet per response. Make one with `guarded_protocol`; uvicorn's
+    keep-alive timer is still the idle timeout."""
 
     limits: ClassVar[ConnectionLimits]
     stats: ClassVar[RequestStats]
+    share: ClassVar[OneAnswer]
     answer_overloaded: ClassVar[bytes]
+    # connections past everyone's part that have sent no request head, oldest first
+    heads_due: ClassVar[dict[GuardedH11Protocol, None]]
     _head_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # as uvicorn's own
-        if len(self.connections) >= self.limits.max_connections:
+        open_now = len(self.connections)
+        if open_now >= self.limits.max_connections and not self._make_room():
             log.warning("refused a connection: %d are open, the most allowed at once "
-                        "(max_connections)", len(self.connections))
+                        "(max_connections)", open_now)
             self.stats.count(Overloaded.code)
             refusal = _Refusal(self.answer_overloaded)
             transport.set_protocol(refusal)
@@ -212,10 +245,29 @@ class GuardedH11Protocol(H11Protocol):
             return
         super().connection_made(transport)
         self.transport = cast(asyncio.Transport, _OnePacket(transport, self.loop))
+        if open_now >= self.limits.open_to_all:
+            self.app = self.share.around(self.app)
+            self.heads_due[self] = None
         self._watch_head()
+
+    def _make_room(self) -> bool:
+        """Close the oldest connection past everyone's part that has sent no head yet,
+        with the 503 (False: there is none)."""
+        for waiting in self.heads_due:
+            del self.heads_due[waiting]
+            log.warning("refused a connection: %d are open, the most allowed at once "
+                        "(max_connections); closed one that had sent no request yet",
+                        len(self.connections))
+            self.stats.count(Overloaded.code)
+            waiting.transport.write(self.answer_overloaded)
+            waiting.transport.close()
+            return True
+        return False
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
+        if self.cycle is not None:
+            self.heads_due.pop(self, None)
         self._watch_head()
 
     def on_response_complete(self) -> None:
@@ -224,6 +276,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_head_timer()
+        self.heads_due.pop(self, None)
         super().connection_lost(exc)
 
     def _watch_head(self) -> None:
@@ -266,15 +319,18 @@ class GuardedH11Protocol(H11Protocol):
         self.transport.close()
 
 
-def guarded_protocol(limits: ConnectionLimits,
-                     stats: RequestStats) -> type[GuardedH11Protocol]:
-    """The protocol class to give uvicorn (``http=``), holding these limits; refusals
-    are counted in `stats` (/v1/stats) like any other 503."""
+def guarded_protocol(limits: ConnectionLimits, stats: RequestStats,
+                     trusted: Trusted = health_check) -> type[GuardedH11Protocol]:
+    """The protocol class to give uvicorn (``http=``), holding these limits; `trusted`
+    says which requests the kept share serves (``connection_share.trusted_caller``);
+    refusals are counted in `stats` (/v1/stats) like any other 503."""
 
     class Guarded(GuardedH11Protocol):
         pass
 
     Guarded.limits = limits
     Guarded.stats = stats
+    Guarded.share = OneAnswer(trusted, refused_past_share, stats)
     Guarded.answer_overloaded = overloaded_response()
+    Guarded.heads_due = {}
     return Guarded

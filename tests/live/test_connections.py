@@ -1,5 +1,7 @@
 """Connections a client leaves open: the request-head deadline (silent and slowloris
-connections), the idle timeout, the connection cap, and running out of file handles."""
+connections), the idle timeout, the connection cap and the share of it kept for health
+checks and the token's holders (against a trickled /v1/identity flood), and running out
+of file handles."""
 
 from __future__ import annotations
 
@@ -20,7 +22,9 @@ from live_server import LiveServer, live_server
 
 HEAD_S = 2
 IDLE_S = 2
+GRACE_S = 2
 CAP = 8
+OPEN_TO_ALL = 6  # CAP less the share kept for health checks and trusted callers (2)
 SLACK_S = 3  # on top of a deadline: a busy machine, the server's timer resolution
 IDLE_SOCKETS = 300
 FLOOD_LINE = "socket.accept() out of system resource"
@@ -75,7 +79,8 @@ def _get_healthz(sock: socket.socket, server: LiveServer) -> h11.Response:
 def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     """One server with short deadlines and a small cap, shared by the tests below."""
     env = {"VRAMGUARD_HEADER_TIMEOUT_S": str(HEAD_S), "VRAMGUARD_IDLE_TIMEOUT_S": str(IDLE_S),
-           "VRAMGUARD_MAX_CONNECTIONS": str(CAP), "VRAMGUARD_RATE_LIMIT": "0"}
+           "VRAMGUARD_MAX_CONNECTIONS": str(CAP), "VRAMGUARD_UPLOAD_GRACE_S": str(GRACE_S),
+           "VRAMGUARD_RATE_LIMIT": "0"}
     with live_server(tmp_path_factory.mktemp("guarded"), "--no-cache", env=env) as server:
         yield server
 
@@ -121,10 +126,14 @@ def test_an_answer_that_takes_longer_than_the_head_deadline_is_not_cut(guarded):
 
 
 def test_over_the_cap_a_connection_gets_the_json_503_with_retry_after(guarded):
+    """CAP silent sockets: a new connection takes the place of one that sent nothing in
+    the kept share, and its request, from no one trusted, gets the 503; /healthz is still
+    answered."""
     with contextlib.ExitStack() as stack:
         for _ in range(CAP):
             stack.enter_context(_connect(guarded))
-        refused = httpx.get(f"{guarded.url}/healthz", timeout=10)
+        refused = httpx.get(f"{guarded.url}/v1/stats", timeout=10)
+        assert _healthz(guarded).status_code == 200
     assert refused.status_code == 503
     assert refused.json()["error"]["code"] == "overloaded"
     assert "connections" in refused.json()["error"]["message"]
@@ -263,3 +272,43 @@ def test_after_an_answer_given_before_its_body_the_connection_idles_as_any_other
         closed_s = _seconds_until_closed(sock, head_s + SLACK_S)
         assert closed_s is None, f"closed {closed_s:.1f} s after the body, at the head deadline"
         assert _get_healthz(sock, server).status_code == 200
+
+
+def _trickled_identity(server: LiveServer) -> socket.socket:
+    """A ``POST /v1/identity`` (the route anyone may call) whose head has come and whose
+    77-byte body is about to trickle: the route is reading it (``100 Continue``)."""
+    sock = _connect(server)
+    sock.sendall(b"POST /v1/identity HTTP/1.1\r\nHost: 127.0.0.1:%d\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: 77\r\n"
+                 b"Expect: 100-continue\r\n\r\n" % _port(server))
+    assert sock.recv(65536).startswith(b"HTTP/1.1 100 ")
+    return sock
+
+
+def test_a_trickled_identity_flood_is_cut_and_the_share_serves_meanwhile(guarded):
+    """The attack of issue 26: trickled /v1/identity requests held every connection, and
+    /healthz got 503. Here they fill everyone's part of a cap of 8 and two silent sockets
+    the kept share: /healthz and a caller with the admin token are still served (each
+    taking a silent socket's place), a stranger gets the 503; within the grace the
+    trickles get 408 and are closed, and the stranger is served again."""
+    with contextlib.ExitStack() as stack:
+        flood = [stack.enter_context(_trickled_identity(guarded)) for _ in range(OPEN_TO_ALL)]
+        started = time.monotonic()
+        for _ in range(CAP - OPEN_TO_ALL):
+            stack.enter_context(_connect(guarded))
+        assert _healthz(guarded).status_code == 200
+        with httpx.Client(base_url=guarded.url, timeout=10) as client:
+            admin = client.post("/v1/admin/resume", headers=guarded.admin())
+            stranger = client.get("/v1/stats")
+        assert admin.status_code == 200, admin.text
+        assert stranger.status_code == 503 and "connections" in stranger.text
+        for sock in flood:
+            sock.sendall(b"{")
+        closed = [_seconds_until_closed(sock, GRACE_S + SLACK_S, iter(lambda: b" ", None))
+                  for sock in flood]
+        took_s = time.monotonic() - started
+    assert None not in closed, "a trickled identity challenge was not cut in time"
+    assert took_s < GRACE_S + 2 * SLACK_S
+    assert httpx.get(f"{guarded.url}/v1/stats", timeout=10).status_code == 200
+    assert httpx.get(f"{guarded.url}/v1/stats", timeout=10).json()[
+        "requests"]["request_timeout"] >= OPEN_TO_ALL
