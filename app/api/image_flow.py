@@ -19,11 +19,13 @@ from typing import Annotated, Any
 
 import numpy as np
 import torch
-from fastapi import Query, Request
+from fastapi import Depends, Query, Request
 from starlette.datastructures import UploadFile
 
+from app.api.keep_alive import UNNAMED, Caller, caller_of, keep_alive_query, say
 from app.engine.lanes import Reservation
 from app.engine.predictor import CLASSIFY, EMBED, Ranked, Sample, numerics
+from app.engine.residency import StayNote
 from app.errors import (
     BadRequest,
     ClientGone,
@@ -59,9 +61,7 @@ ModelQuery = Annotated[str | None, Query(max_length=64, description="Model name 
 Threshold = Annotated[float | None, Query(
     gt=0, lt=1, description="A multilabel model only: the score a label needs to be in the "
     "answer; default: the model's own.")]
-KeepAlive = Annotated[float | None, Query(
-    ge=-1, le=86400 * 365, description="Seconds the model stays loaded after this request "
-    "(-1: for ever, 0: unload when done); default: the keep_alive_s setting.")]
+KeepAlive = Annotated[float | None, Depends(keep_alive_query)]  # see app/api/keep_alive.py
 Cached = Ranked | np.ndarray
 Prepared = tuple[str | None, Cached | torch.Tensor]  # the cache key; the answer or pixels
 Image = bytes | torch.Tensor  # an upload's bytes, or pixels already preprocessed (a tensor)
@@ -203,13 +203,25 @@ async def answer(request: Request, model: LoadedModel, prepared: Prepared, place
     return Served(model, ranked, embedding, batch_size, prepared_at - started, total_s)
 
 
-async def find_model(state: AppState, name: str | None,
-                     keep_alive_s: float | None = None) -> LoadedModel:
+async def find_model(state: AppState, name: str | None, keep_alive_s: float | None = None,
+                     caller: Caller = UNNAMED) -> LoadedModel:
     """The model ``name`` (default: --model), unless an admin has paused the appliance:
-    loaded, or loaded now, waiting up to ``request_timeout_s`` (then 503 ``loading``)."""
+    loaded, or loaded now (charged to ``caller``), waiting up to ``request_timeout_s``
+    (then 503 ``loading``); ``keep_alive_s`` as ``app.api.keep_alive`` says."""
+    return (await find_model_asked(state, name, keep_alive_s, caller))[0]
+
+
+async def find_model_asked(state: AppState, name: str | None, keep_alive_s: float | None,
+                           caller: Caller) -> tuple[LoadedModel, StayNote | None]:
+    """``find_model``, and what of ``keep_alive_s`` was not done as asked (for the answer's
+    header): the admin's is set as it is, anyone else's may only lengthen the stay."""
     state.engine.require_unpaused()
-    return (await state.engine.acquire(name, state.settings.request_timeout_s,
-                                       keep_alive_s)).model
+    runtime = await state.engine.acquire(name, state.settings.request_timeout_s,
+                                         keep_alive_s if caller.admin else None, caller.client)
+    resident = state.engine.residents.get(runtime.model.name)
+    if caller.admin or keep_alive_s is None or resident is None:
+        return runtime.model, None
+    return runtime.model, resident.lengthen(keep_alive_s, state.settings.max_keep_alive_s)
 
 
 def check_task(model: LoadedModel, task: str) -> None:
@@ -287,7 +299,8 @@ async def serve_image(request: Request, model: str | None, keep_alive_s: float |
     started = time.perf_counter()
     deadline = time.monotonic() + state.settings.request_timeout_s
     waits = not is_loaded(state, model)
-    loaded = await find_model(state, model, keep_alive_s)
+    loaded, note = await find_model_asked(state, model, keep_alive_s, caller_of(request))
+    say(request, note)
     check_task(loaded, task)
     with admit_after(state, loaded, deadline, waits) as place, \
             in_time_left_by_load(loaded.name, waits):

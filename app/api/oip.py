@@ -16,7 +16,6 @@ catalogue knows until it is loaded (EMBEDDING's length is -1 then); without
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Request
@@ -25,19 +24,16 @@ from fastapi.responses import JSONResponse, Response
 from app import __version__
 from app.api.oip_codec import (
     BYTES,
-    CHANNELS,
     EMBEDDING,
     FP32,
     IMAGE,
     PIXELS,
     PROBABILITIES,
 )
-from app.api.oip_infer import VERSION, serve_inference
-from app.engine.engine import InferenceEngine
+from app.api.oip_infer import VERSION, facts, require_serving, serve_inference
 from app.engine.predictor import EMBED
 from app.engine.runtime import still_loading, unknown_model
-from app.engine.view import EngineView
-from app.errors import ApiError, BadRequest, NotFound, NotReady
+from app.errors import ApiError, BadRequest, NotFound
 from app.gates import error_response
 from app.http.state import AppState, state_of
 from app.schemas_oip import (
@@ -99,7 +95,7 @@ async def ready(request: Request) -> Response:
     """503 while starting, after a failure or while paused; answered, not raised: polling
     readiness is not a request outcome to count."""
     try:
-        _require_serving(state_of(request).engine.view())
+        require_serving(state_of(request).engine.view())
     except ApiError as exc:
         return error_response(exc, request.scope["path"])
     return JSONResponse(Ready(ready=True).model_dump())
@@ -155,49 +151,18 @@ def _check_version(name: str, version: str) -> None:
                        f"{version!r}.")
 
 
-def _require_serving(view: EngineView) -> None:
-    if not view.ready:
-        raise NotReady(view.not_ready_message, retry_after=2)
-    view.require_unpaused()
-
-
-@dataclass(frozen=True)
-class _Facts:
-    crop: int
-    classes: int
-    features: int  # 0: none; -1: not known until loaded
-    task: str = "classify"
-    channels: int = CHANNELS
-
-
-def _facts(engine: InferenceEngine, name: str) -> _Facts:
-    """What is known of a model without loading it: everything once loaded, else what the
-    catalogue says (its labels; the feature length only the loaded model gives)."""
-    if not engine.knows(name):
-        raise unknown_model(name)
-    view = engine.view()
-    loaded = view.models.get(name)
-    if loaded is None:
-        entry = engine.sources.entry(name)
-        if entry is not None:
-            return _Facts(entry.input_size, entry.labels, -1, entry.task, entry.channels)
-        loaded = view.loaded(name)  # raises: a --model(s) one, not loaded
-    return _Facts(loaded.crop, loaded.classes, loaded.features, loaded.task,
-                  loaded.channels)
-
-
 def _metadata(state: AppState, name: str) -> ModelMetadata:
-    facts = _facts(state.engine, name)
-    outputs = [] if facts.task == EMBED else [
-        TensorMetadata(name=PROBABILITIES, datatype=FP32, shape=[-1, facts.classes])]
-    if facts.features:
+    known = facts(state.engine, name)
+    outputs = [] if known.task == EMBED else [
+        TensorMetadata(name=PROBABILITIES, datatype=FP32, shape=[-1, known.classes])]
+    if known.features:
         outputs.append(TensorMetadata(name=EMBEDDING, datatype=FP32,
-                                      shape=[-1, facts.features]))
+                                      shape=[-1, known.features]))
     return ModelMetadata(
         name=name, versions=[VERSION], platform=PLATFORM,
         inputs=[TensorMetadata(name=IMAGE, datatype=BYTES, shape=[-1]),
                 TensorMetadata(name=PIXELS, datatype=FP32,
-                               shape=[-1, facts.channels, facts.crop, facts.crop])],
+                               shape=[-1, known.channels, known.crop, known.crop])],
         outputs=outputs)
 
 
@@ -211,7 +176,7 @@ def _ready(request: Request, name: str, version: str) -> Response:
         if not engine.knows(name):
             raise unknown_model(name)
         view = engine.view()
-        _require_serving(view)
+        require_serving(view)
         loaded = name in view.models
         if name in view.loading and not loaded:
             raise still_loading(name, engine.loader.times.seconds_left(name))

@@ -1,11 +1,19 @@
 """``POST /v2/models/{name}/infer``: the Open Inference Protocol's inference, every image
-through ``image_flow`` (see ``app/api/oip.py``); the bodies are ``oip_codec``'s."""
+through ``image_flow`` (see ``app/api/oip.py``); the bodies are ``oip_codec``'s.
+
+A request is checked whole before it loads anything: for a model not loaded yet the body
+is read and parsed against what the catalogue says of the model (``facts``), so that a
+bodiless or malformed request answers 400 without loading it. Each image costs one
+classify token, as on ``/v1/classify`` and the stream (``take_tokens``): the request's
+own pays for the first, the others are taken once the body says how many there are.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from contextlib import ExitStack
+from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
@@ -24,36 +32,82 @@ from app.api.image_flow import (
     serve_in_place,
     unless_disconnected,
 )
+from app.api.keep_alive import caller_of
 from app.api.oip_codec import (
+    CHANNELS,
     EMBEDDING,
     HEADER_LENGTH,
+    PIXELS,
     PROBABILITIES,
     InferRequest,
     Tensor,
     encode_response,
     parse_request,
 )
+from app.engine.engine import InferenceEngine
 from app.engine.lanes import Reservation
 from app.engine.predictor import CLASSIFY, EMBED
-from app.errors import ApiError, BadRequest, UnsupportedMediaType
+from app.engine.runtime import unknown_model
+from app.engine.view import EngineView
+from app.errors import ApiError, BadRequest, NotReady, UnsupportedMediaType
 from app.gates.body_limit import body_done
-from app.http.state import state_of
+from app.gates.rate_limit import take_tokens
+from app.http.state import AppState, state_of
 from app.models import LoadedModel
 
 VERSION = "1"  # each model has one version
 T = TypeVar("T")
 
 
-def _plan(parsed: InferRequest, model: LoadedModel) -> Ask:
-    """What each image of the request is asked for, from the outputs it names."""
+@dataclass(frozen=True)
+class Facts:
+    """What a request is checked against: the model's input and what it answers."""
+
+    crop: int
+    classes: int
+    features: int  # 0: none; -1: not known until loaded
+    task: str = "classify"
+    channels: int = CHANNELS
+
+    @classmethod
+    def of(cls, model: LoadedModel) -> Facts:
+        return cls(model.preprocessing.crop, model.num_classes, model.feature_dim,
+                   model.task, model.preprocessing.channels)
+
+
+def facts(engine: InferenceEngine, name: str) -> Facts:
+    """What is known of a model without loading it: everything once loaded, else what the
+    catalogue says (its labels; the feature length only the loaded model gives)."""
+    if not engine.knows(name):
+        raise unknown_model(name)
+    view = engine.view()
+    loaded = view.models.get(name)
+    if loaded is None:
+        entry = engine.sources.entry(name)
+        if entry is not None:
+            return Facts(entry.input_size, entry.labels, -1, entry.task, entry.channels)
+        loaded = view.loaded(name)  # raises: a --model(s) one, not loaded
+    return Facts(loaded.crop, loaded.classes, loaded.features, loaded.task, loaded.channels)
+
+
+def require_serving(view: EngineView) -> None:
+    """NotReady while starting or after a failure, Paused while paused."""
+    if not view.ready:
+        raise NotReady(view.not_ready_message, retry_after=2)
+    view.require_unpaused()
+
+
+def _plan(parsed: InferRequest, known: Facts, name: str) -> Ask:
+    """What each image of the request is asked for, from the outputs it names (a feature
+    length not known yet passes: it is checked again once the model is loaded)."""
     names = {want.name for want in parsed.outputs}
-    if model.task == EMBED and PROBABILITIES in names:
-        raise BadRequest(f"The model {model.name} gives image features only: ask for the "
+    if known.task == EMBED and PROBABILITIES in names:
+        raise BadRequest(f"The model {name} gives image features only: ask for the "
                          f"{EMBEDDING} output.")
-    if EMBEDDING in names and not model.feature_dim:
-        raise BadRequest(f"The model {model.name} has no {EMBEDDING} output (no final linear "
+    if EMBEDDING in names and not known.features:
+        raise BadRequest(f"The model {name} has no {EMBEDDING} output (no final linear "
                          "layer to take features from); use an EfficientNet-Lite model.")
-    classes = model.num_classes
+    classes = known.classes
     top_k = max((min(want.classes, classes) if want.classes else classes
                  for want in parsed.outputs if want.name == PROBABILITIES), default=1)
     return Ask(EMBED if EMBEDDING in names else CLASSIFY, top_k,
@@ -74,26 +128,53 @@ def _left(deadline: float) -> float:
     return max(0.0, deadline - time.monotonic())
 
 
+async def _parsed(request: Request, state: AppState, name: str, known: Facts,
+                  deadline: float) -> InferRequest:
+    """The body, read and parsed on the CPU pool and checked against ``known``; then its
+    further images' tokens, paid."""
+    body = await _read_body(request)
+    parsed = await state.pool.run_before(deadline, parse_request, body,
+                                         request.headers.get(HEADER_LENGTH), known.crop,
+                                         known.channels,
+                                         EMBEDDING if known.task == EMBED else PROBABILITIES)
+    del body
+    _plan(parsed, known, name)
+    await take_tokens(request.scope, parsed.count - 1, deadline)
+    return parsed
+
+
+def _check_pixels(parsed: InferRequest, model: LoadedModel) -> None:
+    """Pixels checked against the catalogue's shape fit the model loaded since."""
+    shape = [model.preprocessing.channels, model.preprocessing.crop, model.preprocessing.crop]
+    if parsed.pixels is not None and list(parsed.pixels.shape[1:]) != shape:
+        raise BadRequest(f"{PIXELS}'s shape must be [N, {', '.join(map(str, shape))}] for "
+                         f"this model, not {list(parsed.pixels.shape)}.")
+
+
 async def serve_inference(request: Request, name: str) -> Response:
-    """A place for the first image before the body is read (or 503), one more for each
-    further image once the body says how many, every image through ``image_flow``."""
+    """For a loaded model a place for the first image before the body is read (or 503);
+    for one not loaded the body read and checked first, then the load. One more place
+    for each further image once the body says how many, every image through
+    ``image_flow``."""
     state = state_of(request)
     engine = state.engine
     started = time.perf_counter()
     deadline = time.monotonic() + state.settings.request_timeout_s
     waits = not is_loaded(state, name)
-    model = await find_model(state, name)
+    caller = caller_of(request)
     with ExitStack() as places:
-        first = places.enter_context(admit_after(state, model, deadline, waits))
+        if waits:
+            require_serving(engine.view())
+            parsed = await _parsed(request, state, name, facts(engine, name), deadline)
+            model = await find_model(state, name, caller=caller)
+            _check_pixels(parsed, model)
+            first = places.enter_context(admit_after(state, model, deadline, waits))
+        else:
+            model = await find_model(state, name, caller=caller)
+            first = places.enter_context(admit_after(state, model, deadline, waits))
+            parsed = await _parsed(request, state, name, Facts.of(model), deadline)
         places.enter_context(in_time_left_by_load(model.name, waits))
-        body = await _read_body(request)
-        parsed = await state.pool.run_before(deadline, parse_request, body,
-                                             request.headers.get(HEADER_LENGTH),
-                                             model.preprocessing.crop,
-                                             model.preprocessing.channels,
-                                             EMBEDDING if model.task == EMBED else PROBABILITIES)
-        del body
-        plan = _plan(parsed, model)
+        plan = _plan(parsed, Facts.of(model), model.name)
         spots = [first, *(places.enter_context(engine.admit(_left(deadline), model.name))
                           for _ in range(parsed.count - 1))]
         work = asyncio.ensure_future(_serve_all(request, model, parsed, spots, deadline, plan,

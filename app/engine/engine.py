@@ -93,7 +93,8 @@ class InferenceEngine:
         self._clock = clock
         self._model_loader = model_loader or self.sources.load
         self._loading: dict[str, asyncio.Future[Runtime]] = {}
-        self._load_rate = LoadRate(settings.max_loads_per_minute, clock)
+        self._load_rate = LoadRate(settings.max_loads_per_minute, clock,
+                                   settings.max_loads_per_client_per_minute)
         wait_s = settings.max_wait_ms / 1000 if settings.max_wait_ms is not None else (
             GPU_DEFAULT_WAIT_S if self.device.type == "cuda" else 0.0)
         self.batcher: MicroBatcher[Sample, Outcome] = MicroBatcher(
@@ -232,12 +233,12 @@ class InferenceEngine:
         self.phase = Phase.STOPPED
         self.batcher.stop()
 
-    async def acquire(self, name: str | None, timeout_s: float,
-                      keep_alive_s: float | None = None) -> Runtime:
+    async def acquire(self, name: str | None, timeout_s: float, keep_alive_s: float | None = None,
+                      client: str | None = None) -> Runtime:
         """The runtime of ``name`` (default: the ``--model`` one), loading it first when it
-        is a catalogue model not loaded yet; a request that asked for it waits for the load
-        up to ``timeout_s``, then Loading (503, with the seconds it is expected to take
-        still). NotFound for a name outside the catalogue."""
+        is a catalogue model not loaded yet (the load charged to ``client``); a request
+        waits for the load up to ``timeout_s``, then Loading (503, with the seconds it is
+        expected to take still). NotFound for a name outside the catalogue."""
         name = name or self.settings.model
         if not self.knows(name):
             raise unknown_model(name)
@@ -247,7 +248,7 @@ class InferenceEngine:
         if runtime is None:
             task = self._loading.get(name)
             if task is None:
-                task = self._loading[name] = asyncio.ensure_future(self._load(name))
+                task = self._loading[name] = asyncio.ensure_future(self._load(name, client))
                 task.add_done_callback(functools.partial(self._loaded, name))
             try:
                 runtime = await asyncio.wait_for(asyncio.shield(task), timeout_s)
@@ -263,11 +264,10 @@ class InferenceEngine:
         if not task.cancelled():
             task.exception()  # retrieved: the requests that waited were told
 
-    async def _load(self, name: str) -> Runtime:
-        self._load_rate.take()
+    async def _load(self, name: str, client: str | None) -> Runtime:
+        self._load_rate.take(client)
         await asyncio.to_thread(self.sources.check, name)  # off loop and device
         return await self.on_device(functools.partial(self.loader.load, name, False, True))
-
 
     async def unload(self, name: str) -> None:
         """Unload ``name`` now (an admin's choice, pinned or not); Conflict while it has

@@ -8,6 +8,12 @@ What a model takes is measured, not estimated: its weights, plus the peak of its
     sum of the loaded models' weights + the largest of their batch peaks <= room
 
 where ``room`` is what vramguard may hold on the device (see ``Budget.room``).
+
+Who may change a model's stay: a request's keep-alive only lengthens it (``lengthen``), up
+to a cap, unless it carries the admin token (``use``, any value), so that one app cannot
+unload a model another app keeps (``keep_alive=0``) nor keep one loaded for ever (``-1``).
+Who pays for a load: the client whose request caused it, within the limit for everyone
+(``LoadRate``), so that one app asking for model after model cannot use up the others'.
 """
 
 from __future__ import annotations
@@ -16,10 +22,18 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from enum import StrEnum
 
 from app.errors import Overloaded
 
 FOREVER = -1.0  # keep_alive value: never unload when idle
+
+
+class StayNote(StrEnum):
+    """Why a request's keep-alive was not done as asked (``Residency.lengthen``)."""
+
+    IGNORED = "ignored"  # shorter than the stay, or -1: needs the admin token
+    CAPPED = "capped"  # longer than the cap: cut to it
 
 
 @dataclass(frozen=True)
@@ -48,10 +62,21 @@ class Residency:
     pinned: bool = False
 
     def use(self, now: float, keep_alive_s: float | None = None) -> None:
-        """A request came: it counts as use now, and may change how long it stays."""
+        """A request came: it counts as use now, and (an admin's) may set how long it
+        stays, shorter included."""
         self.last_used = now
         if keep_alive_s is not None:
             self.keep_alive_s = keep_alive_s
+
+    def lengthen(self, asked_s: float, cap_s: float) -> StayNote | None:
+        """A request without the admin token asked the model to stay ``asked_s`` after each
+        use: it only ever lengthens the stay, up to ``cap_s``. What was not done as asked
+        (None: done): a shorter stay, 0 and -1 (for ever) are ignored; a longer one than
+        ``cap_s`` is cut to it (a stay already longer is kept)."""
+        if asked_s < 0 or self.keep_alive_s < 0 or asked_s < self.keep_alive_s:
+            return StayNote.IGNORED
+        self.keep_alive_s = max(self.keep_alive_s, min(asked_s, cap_s))
+        return StayNote.CAPPED if asked_s > cap_s else None
 
     def expired(self, now: float) -> bool:
         """Idle for longer than its keep-alive (a pinned model never expires)."""
@@ -95,26 +120,47 @@ def evictable(residents: Iterable[Residency], now: float, busy: Callable[[str], 
 
 
 class LoadRate:
-    """At most ``per_minute`` loads in any 60 s: more is answered 503 with a Retry-After
-    that says when the oldest load leaves the window."""
+    """At most ``per_minute`` loads in any 60 s, and at most ``per_client`` of them caused
+    by one client's requests: more is answered 503 with a Retry-After that says when the
+    oldest load that counts leaves the window. A load no client asked for (an admin's,
+    the ones at start) counts only for everyone. Memory is bounded: a client is kept only
+    while one of its loads is in the window, and every load in it counts for everyone."""
 
     WINDOW_S = 60.0
 
-    def __init__(self, per_minute: int, clock: Callable[[], float]) -> None:
+    def __init__(self, per_minute: int, clock: Callable[[], float],
+                 per_client: int | None = None) -> None:
         self.per_minute = per_minute
+        self.per_client = per_minute if per_client is None else min(per_client, per_minute)
         self._clock = clock
         self._loads: deque[float] = deque()
+        self._by_client: dict[str, deque[float]] = {}
 
-    def take(self) -> None:
-        """Count a load about to start, or raise Overloaded."""
+    def take(self, client: str | None = None) -> None:
+        """Count a load about to start for ``client``, or raise Overloaded."""
         now = self._clock()
-        while self._loads and now - self._loads[0] >= self.WINDOW_S:
-            self._loads.popleft()
+        for loads in (self._loads, *self._by_client.values()):
+            while loads and now - loads[0] >= self.WINDOW_S:
+                loads.popleft()
+        self._by_client = {key: loads for key, loads in self._by_client.items() if loads}
+        mine = self._by_client.get(client) if client is not None else None
+        if mine is not None and len(mine) >= self.per_client:
+            wait = self._wait(mine, now)
+            raise Overloaded(
+                f"Requests from this app ({client}) have made vramguard load "
+                f"{self.per_client} models in the last minute, the most one app may, so that "
+                f"it cannot keep other apps from loading theirs. Try again in {wait} s, or "
+                "ask for a model that is already loaded. (Apps that send no X-Client-Id "
+                "header share one such limit.)", retry_after=wait)
         if len(self._loads) >= self.per_minute:
-            wait = self._loads[0] + self.WINDOW_S - now
             raise Overloaded(
                 f"vramguard has loaded {self.per_minute} models in the last minute, its "
                 "limit, so as not to spend its time swapping models in and out of memory. "
                 "Try again shortly, or ask for a model that is already loaded.",
-                retry_after=max(1, math.ceil(wait)))
+                retry_after=self._wait(self._loads, now))
         self._loads.append(now)
+        if client is not None:
+            self._by_client.setdefault(client, deque()).append(now)
+
+    def _wait(self, loads: deque[float], now: float) -> int:
+        return max(1, math.ceil(loads[0] + self.WINDOW_S - now))

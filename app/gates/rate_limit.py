@@ -29,12 +29,16 @@ Decision: a rejected request costs no token. Otherwise a client that keeps
 retrying too early would starve itself for ever; with this rule, honouring
 ``Retry-After`` always works.
 
-An image stream (``STREAM_ROUTES``: many images in one request) costs what the same
-images sent one by one would: one classify token per image. The request's own token pays
-for its first image; the route takes one more (``TOKEN_KEY`` in the scope) for each
-further image as it starts to read it, and when none is left it waits for the next one
-instead of failing: the stream slows to the client's rate, and those waits are not
-counted as refusals.
+An image stream (``STREAM_ROUTES``: many images in one request) and a ``/v2`` infer
+request (``OIP_INFER``: up to 64) cost what the same images sent one by one would: one
+classify token per image. The request's own token pays for its first image; the route
+takes one more (``TOKEN_KEY`` in the scope) for each further image, the stream as it
+starts to read it, ``/v2`` once its body says how many (``take_tokens``), and when none
+is left it waits for the next one instead of failing: the request slows to the client's
+rate, and those waits are not counted as refusals. A ``/v2`` request whose tokens would
+not all come before its deadline gets 429 then, with the seconds until the next token
+(those it took are spent, as images a stream sent before it failed): it is not served
+past the client's rate, and one that fits the rate is never refused for its size.
 
 Memory is bounded: buckets of clients idle long enough to be full again are
 dropped, and at most ``max_clients`` are kept (the least recently seen go).
@@ -42,6 +46,7 @@ dropped, and at most ``max_clients`` are kept (the least recently seen go).
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import math
 import threading
@@ -59,6 +64,7 @@ from app.http.scope import (
     ADMIN_CALLER,
     HANDSHAKES,
     NOT_GLOBAL,
+    OIP_INFER,
     STREAM_ROUTES,
     TOKEN_KEY,
     authorization,
@@ -250,7 +256,7 @@ class RateLimitMiddleware:
         if not decision.limit:
             await self.app(scope, receive, send)
             return
-        if scope["path"] in STREAM_ROUTES:
+        if scope["path"] in STREAM_ROUTES or OIP_INFER.match(scope["path"]):
             scope[TOKEN_KEY] = functools.partial(self.charge, scope, counted=False)
 
         async def with_headers(message: Message) -> None:
@@ -263,3 +269,24 @@ class RateLimitMiddleware:
             await send(message)
 
         await self.app(scope, receive, with_headers)
+
+
+async def take_tokens(scope: Scope, count: int, deadline: float,
+                      clock: Callable[[], float] = time.monotonic) -> None:
+    """``count`` more classify tokens for the request in ``scope`` (its own paid for its
+    first image), each waited for while it is due before ``deadline``; RateLimited (429)
+    at once when the next is not. Nothing to take when the request is not rate-limited."""
+    take: Callable[[], Awaitable[Decision]] | None = scope.get(TOKEN_KEY)
+    if take is None:
+        return
+    for taken in range(count):
+        while not (decision := await take()).allowed:
+            if clock() + decision.retry_after > deadline:
+                raise RateLimited(
+                    f"This request holds {count + 1} images, and each costs one request of "
+                    f"this app's rate limit, as if sent one by one: the last {count - taken} "
+                    "would go past its rate before the request's deadline. Send fewer images "
+                    "per request, or send again after the seconds in Retry-After.",
+                    retry_after=decision.retry_after, limit=decision.limit,
+                    reset=decision.reset)
+            await asyncio.sleep(decision.retry_after)

@@ -38,8 +38,13 @@ export interface ModelOptions extends CallOptions {
   /** A model name `models()` lists; the server's default (`--model`) when omitted. A model
    * not loaded yet is loaded first, and the call waits for it. */
   model?: string;
-  /** Seconds the model stays loaded after this request (-1: for ever, 0: unload when
-   * done); default: the server's `keep_alive_s`. */
+  /** Seconds the model stays loaded after each use, at least; default: the server's
+   * `keep_alive_s`. It can only lengthen the model's stay, up to the server's
+   * `max_keep_alive_s` (1 hour by default): a shorter stay, 0 (unload when done) or -1
+   * (for ever) needs the admin token, which this client never sends, so the server
+   * serves the request, leaves the stay as it was, and says so in the answer's
+   * `X-Vramguard-Keep-Alive` header. To free the memory, unload the model from the
+   * tray or with the admin token. */
   keepAlive?: number;
 }
 

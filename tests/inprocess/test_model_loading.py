@@ -6,6 +6,7 @@ standing in for the catalogue's (loaded under their names), its load held by the
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import threading
 from collections.abc import AsyncIterator
@@ -57,6 +58,12 @@ async def appliance(tmp_path: Path, **settings: Any
             await asyncio.to_thread(engine.stop)
 
 
+def one_image() -> dict[str, Any]:
+    """A valid /v2 body (a request is checked before it loads its model)."""
+    return {"inputs": [{"name": "IMAGE", "datatype": "BYTES", "shape": [1],
+                        "data": [base64.b64encode(photo()).decode()]}]}
+
+
 def classify(client: httpx.AsyncClient, model: str) -> Any:
     return client.post("/v1/classify", params={"model": model}, content=photo(),
                        headers={"Content-Type": "image/jpeg"})
@@ -78,8 +85,7 @@ def test_a_model_being_loaded_answers_loading_with_retry_after(tmp_path: Path) -
             assert seconds >= 1 and f"try again in {seconds} s" in error["message"]
             assert (await state_of_model(client, HELD))["state"] == "loading"
 
-            infer = await client.post(f"/v2/models/{HELD}/infer", content=b"{}",
-                                      headers={"Content-Type": "application/json"})
+            infer = await client.post(f"/v2/models/{HELD}/infer", json=one_image())
             assert infer.status_code == 503 and int(infer.headers["retry-after"]) >= 1
             assert infer.json() == {"error": error["message"].replace(
                 f"{seconds} s", f"{infer.headers['retry-after']} s")}

@@ -69,9 +69,10 @@ async def appliance(tmp_path: Path, profiles: Path, **overrides: Any
         state.decoder.close()
 
 
-async def top1(client: httpx.AsyncClient, model: str, body: bytes, **params: Any) -> str:
+async def top1(client: httpx.AsyncClient, model: str, body: bytes,
+               headers: dict[str, str] | None = None, **params: Any) -> str:
     response = await client.post("/v1/classify", params={"model": model, **params},
-                                 content=body, headers=JPEG)
+                                 content=body, headers={**JPEG, **(headers or {})})
     assert response.status_code == 200, response.text
     assert response.json()["model"] == model
     label: str = response.json()["predictions"][0]["label"]
@@ -190,13 +191,16 @@ def test_keep_alive_zero_and_expiry_unload_and_loads_are_rate_limited(
 
     async def scenario() -> None:
         async with appliance(tmp_path, profiles, max_loads_per_minute=2) as (client, engine):
-            assert await top1(client, LITE[1], photo(), keep_alive=0) == "espresso"
+            # A shorter stay than keep_alive_s needs the admin token (tests/inprocess/
+            # test_model_churn.py: without it, it is ignored).
+            admin = {"Authorization": f"Bearer {(tmp_path / 'token').read_text().strip()}"}
+            assert await top1(client, LITE[1], photo(), admin, keep_alive=0) == "espresso"
             for _ in range(50):  # the unload is queued on the device thread after the answer
                 if await state_of(client, LITE[1]) == "available":
                     break
                 await asyncio.sleep(0.05)
             assert await state_of(client, LITE[1]) == "available"
-            assert await top1(client, LITE[2], photo(), keep_alive=3) == "espresso"
+            assert await top1(client, LITE[2], photo(), admin, keep_alive=3) == "espresso"
             await engine.on_device(engine.tick)
             assert await state_of(client, LITE[2]) == "loaded"  # not expired yet
             await asyncio.sleep(3.1)

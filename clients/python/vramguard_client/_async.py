@@ -133,7 +133,7 @@ class AsyncClient:
                        *, keep_alive: float | None = None, threshold: float | None = None,
                        timeout: float | None = None) -> types.Classification:
         """The image's ``top_k`` most likely classes (as ``Client.classify``; a multilabel
-        model: every label above ``threshold``)."""
+        model: every label above ``threshold``; ``keep_alive`` only lengthens a stay)."""
         answer = await self._send(self._call(timeout, paced=True), "POST", "/v1/classify",
                                   content=await _upload(image), headers=OCTETS,
                                   params=image_params(top_k, model, keep_alive, threshold))
@@ -142,7 +142,7 @@ class AsyncClient:
     async def embed(self, image: ImageInput, model: str | None = None, *,
                     keep_alive: float | None = None,
                     timeout: float | None = None) -> types.Embedding:
-        """The image's L2-normalised features."""
+        """The image's L2-normalised features (``keep_alive`` as for ``classify``)."""
         answer = await self._send(self._call(timeout, paced=True), "POST", "/v1/embed",
                                   content=await _upload(image), headers=OCTETS,
                                   params=image_params(None, model, keep_alive))

@@ -122,7 +122,11 @@ class Client:
                  timeout: float | None = None) -> types.Classification:
         """The image's ``top_k`` most likely classes (``model``: any name ``models()``
         lists; the appliance's default when None). A multilabel model answers every label
-        scored above ``threshold`` instead (between 0 and 1; None: the model's own)."""
+        scored above ``threshold`` instead (between 0 and 1; None: the model's own).
+        ``keep_alive``: seconds the model stays loaded after each use, at least; it can
+        only lengthen the model's stay, up to the server's ``max_keep_alive_s``. A shorter
+        one, 0 or -1 needs the admin token, which this call never sends, so the server
+        ignores it and leaves the stay as it was; to free the memory, ``unload_model``."""
         answer = self._send(self._call(timeout, paced=True), "POST", "/v1/classify",
                             content=image_bytes(image), headers=OCTETS,
                             params=image_params(top_k, model, keep_alive, threshold))
@@ -130,7 +134,8 @@ class Client:
 
     def embed(self, image: ImageInput, model: str | None = None, *,
               keep_alive: float | None = None, timeout: float | None = None) -> types.Embedding:
-        """The image's L2-normalised features (for similar images and duplicates)."""
+        """The image's L2-normalised features (for similar images and duplicates);
+        ``keep_alive`` as for ``classify``."""
         answer = self._send(self._call(timeout, paced=True), "POST", "/v1/embed",
                             content=image_bytes(image), headers=OCTETS,
                             params=image_params(None, model, keep_alive))
