@@ -1,8 +1,9 @@
 """The image stream's body, read as it arrives: python-multipart's streaming parser turns
-each chunk into parts, and each image part (the field ``file``; others are skipped) is
-handed to the stream when its headers have arrived, so that the stream decides when the
-rest of the body is read. Every byte that no image keeps is given back to the upload caps
-as soon as it is parsed (``body_dropped``): memory stays flat however long the body."""
+each chunk into parts, and each image part (the field ``file``; any other part ends the
+body with 400, ``image_field``) is handed to the stream when its headers have arrived, so
+that the stream decides when the rest of the body is read. Every byte that no image keeps
+is given back to the upload caps as soon as it is parsed (``body_dropped``): memory stays
+flat however long the body."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from starlette.types import Receive, Scope
 from app.errors import ApiError, BadRequest, ClientGone, UnsupportedMediaType
 from app.gates.body_limit import body_dropped, too_large
 
-FIELD = b"file"  # the multipart field that holds each image; others are skipped
+FIELD = b"file"  # the multipart field that holds each image; no other may come
 
 
 @dataclass
@@ -41,6 +42,17 @@ def boundary_of(request: Request) -> bytes:
     if not boundary:
         raise BadRequest("The multipart Content-Type has no boundary.")
     return boundary
+
+
+def image_field(headers: dict[bytes, bytes]) -> dict[bytes, bytes]:
+    """The Content-Disposition options of an image part; any other part is refused (400)
+    before its bytes are parsed. A skipped part would cost its sender no token and no
+    place in line, yet its parsing costs the event loop: every part is an image."""
+    _, options = parse_options_header(headers.get(b"content-disposition", b""))
+    if options.get(b"name") != FIELD:
+        raise BadRequest("Only images can be sent in the stream, each in a field named "
+                         "'file'; remove the other fields.")
+    return options
 
 
 class MultipartReader:
@@ -126,10 +138,8 @@ class MultipartReader:
         body_dropped(self.scope, len(chunk) - kept)
 
     async def _begin(self) -> None:
-        """A part's headers have arrived: when it is an image, hand it to ``take``."""
-        _, options = parse_options_header(self.headers.get(b"content-disposition", b""))
-        if options.get(b"name") != FIELD:
-            return
+        """A part's headers have arrived: an image, handed to ``take``."""
+        options = image_field(self.headers)
         part = Part(self.parts, options.get(b"filename", b"").decode("utf-8", "replace"))
         self.parts += 1
         if await self.take(part):

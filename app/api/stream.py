@@ -26,6 +26,12 @@ ends the stream. This module paces the images; ``multipart_reader`` reads the bo
   the stream. Each image is held to ``max_body_bytes``; the body to ``max_stream_bytes``
   (``app.gates.body_limit``). The stall timeout runs only while the route waits for
   bytes, never during these pauses.
+- Only images: every part must be a ``file``; any other ends the body with 400 (a plain
+  error before the first line, else the body's error line) before its bytes are parsed.
+  A part that is not an image would take no token and no place in line, yet parsing it
+  costs the event loop that every client shares; refusing it is simpler than charging it.
+  A part's headers are held to python-multipart's limit (4 KiB each, 8 per part: the
+  ``python-multipart`` floor in pyproject.toml is the first release with it).
 - Hang-up: the client is noticed gone at the next read of the body (or, once the body
   has ended, at once); the images in progress are then cancelled (queued ones withdrawn,
   as ``/v1/classify`` does) and the rest of the body is never read.
@@ -58,8 +64,10 @@ from app.api.image_flow import (
     TopK,
     check_task,
     find_model,
+    find_model_asked,
     serve_in_place,
 )
+from app.api.keep_alive import HEADER, caller_of, note_text
 from app.api.multipart_reader import MultipartReader, Part, boundary_of
 from app.api.stream_lines import NDJSON, SSE, LineWriter, error_line
 from app.engine.lanes import Reservation
@@ -85,11 +93,12 @@ BODY_DOC = {
     }
 }
 DESCRIPTION = """Many images in one multipart body (each in a field `file`, with its
-filename); the answer is one JSON line per image as soon as it is done (completion order):
-`{"index", "filename", "result": {the /v1/classify answer}}` or `{"index", "filename",
-"error": {"code", "message"}}` (with `retry_after` when a 503 says when to come back), as
-/v1/classify would answer that image alone. Then, if the body itself failed (stalled, over
-`max_stream_bytes`, malformed), `{"error": {...}}`, and last `{"summary": {"images", "ok",
+filename; any other field ends the body with 400); the answer is one JSON line per image
+as soon as it is done (completion order): `{"index", "filename", "result": {the
+/v1/classify answer}}` or `{"index", "filename", "error": {"code", "message"}}` (with
+`retry_after` when a 503 says when to come back), as /v1/classify would answer that image
+alone. Then, if the body itself failed (stalled, over `max_stream_bytes`, malformed, a
+field that is not `file`), `{"error": {...}}`, and last `{"summary": {"images", "ok",
 "failed", "seconds"}}`. `Accept: text/event-stream` gets each line as a Server-Sent Event.
 
 The body is read only as fast as images are answered (at most twice the model's batch
@@ -125,6 +134,7 @@ class StreamRun:
                  lines: LineWriter) -> None:
         self.request = request
         self.state = state_of(request)
+        self.caller = caller_of(request)  # each image's load is charged to it
         self.options = options
         # The cache holds a ranking or features, never both: an embedding stream skips it.
         self.ask = Ask(EMBED if options.embed else CLASSIFY, options.top_k,
@@ -221,7 +231,7 @@ class StreamRun:
                 if part.index:
                     await self._take_token()
                 model = await find_model(self.state, self.options.model,
-                                         self.options.keep_alive_s)
+                                         self.options.keep_alive_s, self.caller)
                 place = await self._place(model.name)
             except BaseException:
                 admitted.set_result(False)
@@ -301,13 +311,14 @@ class ImageStream(Response):
     media_type = NDJSON
 
     def __init__(self, request: Request, options: Options, boundary: bytes,
-                 sse: bool) -> None:
+                 sse: bool, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
         super().__init__(media_type=SSE if sse else NDJSON)
         self.request, self.options, self.boundary, self.sse = request, options, boundary, sse
+        self.extra = headers
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await StreamRun(self.request, self.options, self.boundary,
-                        LineWriter(send, self.sse))(receive)
+                        LineWriter(send, self.sse, self.extra))(receive)
 
 
 @router.post(PATH, response_class=ImageStream, status_code=200, responses=STREAM_RESPONSES,
@@ -324,11 +335,15 @@ async def classify_stream(
     threshold: Threshold = None,
 ) -> ImageStream:
     boundary = boundary_of(request)
-    loaded = await find_model(state_of(request), model, keep_alive)
+    state = state_of(request)
+    loaded, note = await find_model_asked(state, model, keep_alive, caller_of(request))
     check_task(loaded, CLASSIFY)
     if embed and not loaded.feature_dim:
         raise BadRequest(f"The model {loaded.name} cannot give image features; use an "
                          "EfficientNet-Lite model or leave out embed.")
     sse = SSE in request.headers.get("accept", "")
-    return ImageStream(request, Options(model, keep_alive, top_k, embed, threshold), boundary,
-                       sse)
+    # The stream writes its own head: what the keep-alive came to goes in with it.
+    said = () if note is None else ((HEADER.lower().encode(), note_text(
+        note, state.settings.max_keep_alive_s).encode()),)
+    return ImageStream(request, Options(model, keep_alive, top_k, embed, threshold),
+                       boundary, sse, said)

@@ -30,9 +30,11 @@ class LineWriter:
     """Writes the lines that the stream's tasks hand it, one whole line at a time (they
     finish in any order, so the writes take turns)."""
 
-    def __init__(self, send: Send, sse: bool) -> None:
+    def __init__(self, send: Send, sse: bool,
+                 headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
         self.send = send
         self.sse = sse
+        self.headers = headers  # the route's own, beside the stream's
         self.head_sent = False
         self._turn = asyncio.Lock()
 
@@ -47,7 +49,7 @@ class LineWriter:
                     (b"content-type", (SSE if self.sse else NDJSON).encode()),
                     (b"cache-control", b"no-store"),
                     # the body may end unread (a failure): never reuse the connection
-                    (b"connection", b"close")]})
+                    (b"connection", b"close"), *self.headers]})
             await self.send({"type": "http.response.body", "body": body, "more_body": True})
 
     async def end(self) -> None:

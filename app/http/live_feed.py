@@ -10,6 +10,11 @@ not when the stream first runs: otherwise many requests arriving together all
 pass the check before any of them subscribes (40 at once all got streams, and
 the dashboard then got none). One client (the rate limiter's: its address plus
 ``X-Client-Id``) may hold ``MAX_STREAMS_PER_CLIENT`` of them.
+
+One slot is kept for each caller that proves who it is (``KEPT``): the tray, with the
+admin token, and the dashboard, with its session. A client id is only a claim, so one
+program rotating ids could otherwise hold every slot; while a proof holds no slot, its
+slot is free for it alone.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ MAX_SUBSCRIBERS = 32
 # Four leaves room for a few tabs and a reconnect that overlaps the stream it replaces,
 # while a client that does not name itself holds at most an eighth of the slots.
 MAX_STREAMS_PER_CLIENT = 4
+TOKEN, SESSION = "token", "session"  # what a caller proved: the admin token, a dashboard session
+KEPT = (TOKEN, SESSION)  # a slot kept for each: the tray's and the dashboard's
 
 
 class NoRoom(Exception):
@@ -38,6 +45,7 @@ class NoRoom(Exception):
 @dataclass(eq=False)
 class Subscriber:
     client: str = ""
+    proof: str = ""  # TOKEN, SESSION or nothing
     queue: asyncio.Queue[str | None] = field(default_factory=lambda: asyncio.Queue(BUFFER))
     dropped: bool = False
 
@@ -46,22 +54,24 @@ class LiveFeed:
     """Publish from the event loop; each subscriber reads its own bounded queue."""
 
     def __init__(self, max_subscribers: int = MAX_SUBSCRIBERS,
-                 max_per_client: int = MAX_STREAMS_PER_CLIENT) -> None:
+                 max_per_client: int = MAX_STREAMS_PER_CLIENT,
+                 kept: tuple[str, ...] = KEPT) -> None:
         self.max_subscribers = max_subscribers
         self.max_per_client = max_per_client
+        self.kept = kept
         self.subscribers: set[Subscriber] = set()
         self.dropped = 0
         self.closed = False
         self._latest: dict[str, str] = {}  # the last message of each event kind
 
-    def subscribe(self, client: str = "") -> Subscriber:
-        """Take a slot for ``client`` now, or raise NoRoom. Synchronous, so nothing else
-        runs between the check and the taking. After ``close`` the subscriber is not
-        added: its stream ends at once."""
-        subscriber = Subscriber(client)
+    def subscribe(self, client: str = "", proof: str = "") -> Subscriber:
+        """Take a slot for ``client``, which proved ``proof`` (or nothing), now, or raise
+        NoRoom. Synchronous, so nothing else runs between the check and the taking. After
+        ``close`` the subscriber is not added: its stream ends at once."""
+        subscriber = Subscriber(client, proof)
         if self.closed:
             return subscriber
-        if len(self.subscribers) >= self.max_subscribers:
+        if len(self.subscribers) >= self.max_subscribers - self._kept_from(proof):
             raise NoRoom(per_client=False)
         if sum(s.client == client for s in self.subscribers) >= self.max_per_client:
             raise NoRoom(per_client=True)
@@ -69,6 +79,12 @@ class LiveFeed:
             subscriber.queue.put_nowait(latest)
         self.subscribers.add(subscriber)
         return subscriber
+
+    def _kept_from(self, proof: str) -> int:
+        """The slots kept for others than ``proof``: one for each kept proof that holds
+        none now (once it holds one, it competes for the rest like anyone)."""
+        held = {s.proof for s in self.subscribers}
+        return sum(kind != proof and kind not in held for kind in self.kept)
 
     def release(self, subscriber: Subscriber) -> None:
         """Give the slot back (idempotent): the stream ended, or never started."""

@@ -24,7 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api.events import EventStream
 from app.config import ConfigError, load_settings
-from app.http.live_feed import MAX_STREAMS_PER_CLIENT, MAX_SUBSCRIBERS, LiveFeed
+from app.http.live_feed import KEPT, MAX_STREAMS_PER_CLIENT, MAX_SUBSCRIBERS, LiveFeed
 from app.http.scope import route_exists
 
 pytestmark = pytest.mark.anyio
@@ -184,9 +184,11 @@ async def open_streams(app: FastAPI, client_ids: list[str]) -> list[int]:
 
 async def test_forty_concurrent_streams_do_not_overshoot_the_limit(app: FastAPI) -> None:
     """The slot is taken in the handler, not when the stream first runs: 40 at once from
-    40 clients get 32 streams, and the rest 503."""
+    40 clients get the 30 streams not kept for the tray and the dashboard, and the rest
+    503."""
     statuses = await open_streams(app, [f"viewer-{i}" for i in range(40)])
-    assert statuses.count(200) == MAX_SUBSCRIBERS and statuses.count(503) == 8
+    open_to_anyone = MAX_SUBSCRIBERS - len(KEPT)
+    assert statuses.count(200) == open_to_anyone and statuses.count(503) == 40 - open_to_anyone
     assert not state_of(app).feed.subscribers
 
 
@@ -204,7 +206,7 @@ async def test_a_refused_stream_says_why(tmp_path: Path) -> None:
         held = [hub.subscribe("127.0.0.1") for _ in range(MAX_STREAMS_PER_CLIENT)]
         async with client(app) as http:
             mine = await http.get("/v1/events")
-            for i in range(MAX_SUBSCRIBERS - MAX_STREAMS_PER_CLIENT):
+            for i in range(MAX_SUBSCRIBERS - len(KEPT) - MAX_STREAMS_PER_CLIENT):
                 held.append(hub.subscribe(f"other-{i}"))
             anyone = await http.get("/v1/events", headers={"X-Client-Id": "dashboard"})
         for subscriber in held:

@@ -351,6 +351,13 @@ def malformed() -> dict[str, tuple[bytes, dict[str, str], str]]:
                                          "only 3 are left"),
         "element count short": (*binary({**ONE_IMAGE, "shape": [2]}, pack_bytes([png()])),
                                 "ends before"),
+        # fewer than 4 bytes left for a length: refused before they are read as one
+        "three stray bytes for a length": (*binary({**ONE_IMAGE, "shape": [2]},
+                                                   pack_bytes([png()]) + b"abc"),
+                                           "ends before the length of element 1 (2 expected)"),
+        "element length one past the data": (*binary(ONE_IMAGE, struct.pack("<I", 4) + b"abc"),
+                                             "element 0 says it has 4 bytes, but only 3 are "
+                                             "left"),
         "bytes left over": (*binary(ONE_IMAGE, pack_bytes([png(), png()])), "left after"),
         "image as FP32": (*as_json({"inputs": [{**image_input(), "datatype": "FP32"}]}),
                           "BYTES"),
@@ -505,3 +512,49 @@ def test_the_parser_answers_any_body_with_a_client_error_or_a_request(
         if parsed.pixels is not None:
             assert parsed.pixels.shape[1:] == (3, 2, 2)
             assert np.isfinite(parsed.pixels).all()
+
+
+ELEMENTS = st.lists(st.binary(min_size=1, max_size=8), max_size=4)
+
+
+def expected_error(elements: list[bytes], count: int, stray: bytes, short: bool) -> str | None:
+    """What ``unpack_bytes`` must say of ``count`` elements read from ``elements`` packed,
+    then ``stray`` (0-3 bytes), or with the last element a byte short; None: parsed."""
+    read = min(count, len(elements))
+    if count > len(elements):
+        if short:
+            last = len(elements) - 1
+            return (f"element {last} says it has {len(elements[last])} bytes, but only "
+                    f"{len(elements[last]) - 1} are left")
+        return f"ends before the length of element {len(elements)} ({count} expected)"
+    left = sum(4 + len(e) for e in elements[read:]) + len(stray) - short
+    if short and read == len(elements):
+        return (f"element {read - 1} says it has {len(elements[-1])} bytes, but only "
+                f"{len(elements[-1]) - 1} are left")
+    if left:
+        return f"{left} bytes are left after its {count} elements"
+    return None
+
+
+@settings(max_examples=300, deadline=None)
+@given(elements=ELEMENTS, count=st.integers(1, 5), stray=st.binary(max_size=3),
+       short=st.booleans())
+def test_a_tail_of_valid_lengths_and_stray_bytes_gets_the_exact_400(
+        elements: list[bytes], count: int, stray: bytes, short: bool) -> None:
+    """A BYTES tensor's tail built from valid length prefixes, then 0-3 stray bytes or its
+    last element a byte short, with ``binary_data_size`` its length (the fuzz above draws
+    the two apart, so they almost never agree): each count parsed or refused with the
+    exact 400, never a struct.error (a 500) or a negative count of bytes left."""
+    short = short and bool(elements)
+    tail = pack_bytes(elements)[:-1] if short else pack_bytes(elements) + stray
+    stray = b"" if short else stray
+    body, headers = binary_request({**ONE_IMAGE, "shape": [count]}, tail)
+    wanted = expected_error(elements, count, stray, short)
+    try:
+        parsed = parse_request(body, headers[HEADER_LENGTH], 2)
+    except ApiError as error:
+        assert error.status == 400 and wanted is not None and wanted in error.message, (
+            error.message, wanted)
+    else:
+        assert wanted is None, wanted
+        assert parsed.images == elements

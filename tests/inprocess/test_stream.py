@@ -124,21 +124,32 @@ async def test_server_sent_events_when_the_client_asks(tmp_path: Path) -> None:
 
 
 @pytest.mark.anyio
-async def test_other_fields_are_skipped_and_a_body_without_images_is_refused(
+async def test_a_field_that_is_not_an_image_ends_the_body_and_no_image_is_refused(
         tmp_path: Path) -> None:
+    """A part not named 'file' would cost no token and no place in line: it is refused at
+    its headers, first (a plain 400) or after images (the body's error line)."""
+    note = part(b"hi" * 10_000, "n.txt", "note")
     with built_app(tmp_path, ready=True) as app:
         async with client(app) as http:
-            mixed = await http.post(PATH, headers=HEADERS, content=part(b"hi", "n.txt", "note")
-                                    + part(png(), "a.png") + END)
-            nothing = await http.post(PATH, headers=HEADERS,
-                                      content=part(b"hi", "n.txt", "note") + END)
+            first = await http.post(PATH, headers=HEADERS, content=note + part(png(), "a.png")
+                                    + END)
+            later = await http.post(PATH, headers=HEADERS, content=part(png(), "a.png") + note
+                                    + part(png(), "b.png") + END)
+            empty = await http.post(PATH, headers=HEADERS, content=END)
             raw = await http.post(PATH, content=png(), headers={"Content-Type": "image/png"})
             garbled = await http.post(PATH, headers=HEADERS, content=b"no boundary here")
-    found = lines(mixed)
-    assert [line["filename"] for line in found[:-1]] == ["a.png"]
-    error_message(nothing, 400, "bad_request")
+        held = state_of(app).engine.batcher.backlog
+    assert "Only images" in error_message(first, 400, "bad_request")
+    found = lines(later)
+    assert [line.get("filename") for line in found[:-2]] == ["a.png"]
+    assert "result" in found[0]
+    assert found[-2]["error"]["code"] == "bad_request"
+    assert "Only images" in found[-2]["error"]["message"]
+    assert found[-1]["summary"]["images"] == 1  # b.png was never read
+    assert "no image" in error_message(empty, 400, "bad_request")
     error_message(raw, 415, "unsupported_media_type")
     error_message(garbled, 400, "bad_request")
+    assert held == 0
 
 
 # --- limits ------------------------------------------------------------------------------

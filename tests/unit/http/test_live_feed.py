@@ -1,6 +1,6 @@
 """The live events hub (``app.http.live_feed``): bounded buffers, subscriber limits, the
-latest of each event for a newcomer, heartbeats, closing (the SSE stream of a real server:
-live/test_events.py)."""
+slots kept for the tray and the dashboard, the latest of each event for a newcomer,
+heartbeats, closing (the SSE stream of a real server: live/test_events.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from app.http.live_feed import BUFFER, LiveFeed, NoRoom
+from app.http.live_feed import BUFFER, SESSION, TOKEN, LiveFeed, NoRoom
 
 
 def test_slow_subscriber_is_dropped_and_memory_stays_bounded():
@@ -40,7 +40,7 @@ def test_subscriber_that_keeps_up_gets_every_event():
 
 
 def test_subscriber_limits_overall_and_per_client():
-    hub = LiveFeed(max_subscribers=3, max_per_client=2)
+    hub = LiveFeed(max_subscribers=3, max_per_client=2, kept=())
 
     async def scenario() -> None:
         stream = hub.stream(hub.subscribe("a"))
@@ -60,6 +60,32 @@ def test_subscriber_limits_overall_and_per_client():
         hub.subscribe("a")
 
     asyncio.run(scenario())
+
+
+def test_a_slot_is_kept_for_the_token_and_one_for_the_session():
+    """Callers without a proof, whatever ids they claim, fill only what is not kept; the
+    token and the session each still get one; a second of either competes like anyone."""
+    hub = LiveFeed(max_subscribers=5, max_per_client=1)
+    anyone = [hub.subscribe(f"id-{i}") for i in range(3)]
+    with pytest.raises(NoRoom) as full:
+        hub.subscribe("id-3")
+    assert not full.value.per_client
+    tray = hub.subscribe("tray#admin", TOKEN)
+    with pytest.raises(NoRoom):
+        hub.subscribe("tray-2#admin", TOKEN)  # its kept slot is taken: the session's is not
+    with pytest.raises(NoRoom):
+        hub.subscribe("id-4")
+    dashboard = hub.subscribe("browser#admin", SESSION)
+    assert len(hub.subscribers) == 5
+    hub.release(anyone[0])  # a slot no one keeps: anyone may take it
+    hub.subscribe("id-5")
+    hub.release(tray)  # the token's slot is kept again, from anyone and from the session
+    for claimed, proof in (("id-6", ""), ("browser-2#admin", SESSION)):
+        with pytest.raises(NoRoom):
+            hub.subscribe(claimed, proof)
+    hub.subscribe("tray#admin", TOKEN)
+    hub.release(dashboard)
+    assert len(hub.subscribers) == 4
 
 
 def test_closing_the_hub_ends_every_stream_and_refuses_new_ones():
