@@ -110,13 +110,22 @@ class Settings(BaseSettings):
     keep_alive_s: float = Field(300.0, ge=-1, description="Seconds a model that is not the "
                                 "--model one stays loaded after its last request (-1: for "
                                 "ever, 0: unload when its requests are done). A request's "
-                                "keep_alive overrides it for its model.")
+                                "keep_alive may only lengthen it, up to max_keep_alive_s "
+                                "(with the admin token: any value).")
+    max_keep_alive_s: float = Field(3600.0, ge=0, description="The longest stay a request's "
+                                    "keep_alive may give a model without the admin token; "
+                                    "a longer one is cut to this.")
     min_residency_s: float = Field(30.0, ge=0, description="A model loaded less than this "
                                    "many seconds ago is not unloaded to make room for "
                                    "another (stops endless load/unload cycles).")
     max_loads_per_minute: int = Field(6, ge=1, description="Most model loads in any minute; "
                                       "beyond it a request for a model not loaded gets 503 "
                                       "and a Retry-After.")
+    max_loads_per_client_per_minute: int = Field(3, ge=1, description="Most model loads "
+                                                 "one client's requests may cause in any "
+                                                 "minute (within max_loads_per_minute), so "
+                                                 "that one app cannot use up the loads of "
+                                                 "the others.")
     models_dir: Path = Field(default_factory=default_models_dir, description="Folder of "
                              "your own models, one sub-folder each (vramguard models add); a "
                              "folder put there by hand is found without a restart.")
@@ -166,6 +175,14 @@ class Settings(BaseSettings):
     body_read_timeout_s: float = Field(10.0, gt=0, description="An upload that sends "
                                        "nothing more for this many seconds gets 408 and "
                                        "its connection is closed.")
+    min_upload_bytes_per_s: ByteSize = Field(ByteSize(1024**2), gt=0, description="Slowest "
+                                             "an upload may arrive, on average, once its "
+                                             "first upload_grace_s have passed (e.g. 1MiB); "
+                                             "slower, it gets 408 and its connection is "
+                                             "closed. Lower it for clients on slow networks.")
+    upload_grace_s: float = Field(5.0, gt=0, description="Seconds every upload gets on top "
+                                  "of what min_upload_bytes_per_s allows it (a small one "
+                                  "always has this long to arrive).")
     max_image_pixels: int = Field(40_000_000, gt=0, description="Largest accepted image in "
                                   "pixels (width x height); guards against decompression bombs.")
     decode_workers: int | None = Field(None, ge=1, description="Threads that decode images, "

@@ -6,6 +6,13 @@ import enum
 
 from pydantic import BaseModel, Field
 
+# What a model is, in /v1/models and in each live sample alike.
+TASK = ("classify, multilabel (every label above a threshold) or embed (image features "
+        "only, /v1/embed).")
+FORMAT = ("Where it comes from: efficientnet_lite, torchvision, or your model's format "
+          "(timm, timm-hf, transformers, torchvision, torchscript, export, onnx).")
+LABELS = "How many labels it answers with (0: embed)."
+
 
 # The memory guard's watermark state (app/memory/guard.py moves it): part of the contract,
 # since the tray and the dashboard colour by it. (No docstring: it would enter the schema.)
@@ -71,12 +78,9 @@ class ModelOut(BaseModel):
     input_size: int
     installed: bool = Field(description="Whether its weights are on this computer.")
     note: str = Field("", description="Why it cannot load, when it cannot.")
-    task: str = Field("classify", description="classify, multilabel (every label above a "
-                      "threshold) or embed (image features only, /v1/embed).")
-    format: str = Field("", description="Where it comes from: efficientnet_lite, "
-                        "torchvision, or an own model's format (timm, timm-hf, "
-                        "transformers, torchvision, torchscript, export, onnx).")
-    labels: int = Field(1000, description="How many labels it answers with (0: embed).")
+    task: str = Field("classify", description=TASK)
+    format: str = Field("", description=FORMAT)
+    labels: int = Field(1000, description=LABELS)
     pinned: bool = Field(False, description="Loaded at start and never unloaded to make "
                          "room (--model, --models).")
     keep_alive_s: float | None = Field(None, description="Seconds it stays loaded after its "
@@ -157,12 +161,9 @@ class ModelMemory(BaseModel):
                                   "(c + k x batch size, measured).")
     batch_size: int
     pinned: bool = Field(description="Loaded at start and never unloaded to make room.")
-    task: str = Field("classify", description="classify, multilabel (every label above a "
-                      "threshold) or embed (image features only).")
-    format: str = Field("", description="Where it comes from: efficientnet_lite, "
-                        "torchvision, or your model's format (timm, timm-hf, "
-                        "transformers, torchvision, torchscript, export, onnx).")
-    labels: int = Field(0, description="How many labels it answers with (0: embed).")
+    task: str = Field("classify", description=TASK)
+    format: str = Field("", description=FORMAT)
+    labels: int = Field(0, description=LABELS)
     own: bool = Field(False, description="One of your models (from the models folder), "
                       "not a built-in one.")
 

@@ -27,6 +27,7 @@ from app.gates.host_origin import HostOriginGate
 from app.gates.rate_limit import Limiter, Rate, RateLimiter, RateLimitMiddleware
 from app.gates.request_metrics import MetricsMiddleware
 from app.gates.ui_session import UiSessions
+from app.gates.upload_deadline import UploadPace
 from app.host.token_file import AdminToken, load_or_create_token
 from app.http.live_feed import LiveFeed
 from app.http.state import AppState
@@ -189,7 +190,8 @@ def gates(settings: Settings, state: AppState) -> list[Middleware]:
                                  allow_headers=["Authorization", "Content-Type",
                                                 "X-Client-Id"],
                                  expose_headers=["Retry-After", "RateLimit-Limit",
-                                                 "RateLimit-Remaining", "RateLimit-Reset"]))
+                                                 "RateLimit-Remaining", "RateLimit-Reset",
+                                                 "X-Vramguard-Keep-Alive"]))
     # The API key after CORS (a preflight carries no key, and a page must be able to read
     # a 401) and before the rate limiter: a request without the key is charged nothing,
     # so strangers cannot spend the tokens of clients that have it.
@@ -204,7 +206,8 @@ def gates(settings: Settings, state: AppState) -> list[Middleware]:
         max_inflight_bytes=int(settings.max_inflight_body_bytes),
         max_client_bytes=int(settings.max_inflight_body_bytes_per_client),
         read_timeout_s=settings.body_read_timeout_s, stats=state.stats,
-        max_stream_bytes=int(settings.max_stream_bytes)))
+        max_stream_bytes=int(settings.max_stream_bytes),
+        pace=UploadPace(int(settings.min_upload_bytes_per_s), settings.upload_grace_s)))
     return layers
 
 

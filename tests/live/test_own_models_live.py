@@ -155,9 +155,11 @@ def appliance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Appliance]:
     """A running server whose models folder is empty when it starts."""
     tmp = tmp_path_factory.mktemp("own-server")
     models_dir = tmp / "models"
-    # Ten models load within a minute here; the default allows six (against churn).
+    # Ten models load within a minute here, for one client; the defaults allow six, three
+    # of them to one client (against churn).
     env = {"VRAMGUARD_MODELS_DIR": str(models_dir), "VRAMGUARD_RATE_LIMIT": "0",
-           "VRAMGUARD_MAX_LOADS_PER_MINUTE": "30"}
+           "VRAMGUARD_MAX_LOADS_PER_MINUTE": "30",
+           "VRAMGUARD_MAX_LOADS_PER_CLIENT_PER_MINUTE": "30"}
     with live_server(tmp, "--no-cache", env=env) as server:
         yield Appliance(server, cli_env(tmp / "cli-home", models_dir))
 
@@ -367,3 +369,19 @@ def test_a_model_removed_while_loaded_is_unloaded_and_no_longer_served(
     assert [LABELS[i] for i in served.argmax(axis=1)] == labels_here(added["shapes-onnx"],
                                                                       pictures)
     assert listing(appliance.server)[name]["format"] == "onnx"
+
+
+def test_serve_takes_one_of_your_models_as_its_default_model(
+        appliance: Appliance, added: dict[str, Made], pictures: Pictures,
+        tmp_path: Path) -> None:
+    """`vramguard serve --model NAME` for a model of the models folder (it was refused as
+    an unknown model before the server even started)."""
+    models_dir = appliance.env["VRAMGUARD_MODELS_DIR"]
+    with live_server(tmp_path, "--no-cache", "--model", "shapes-onnx",
+                     env={"VRAMGUARD_MODELS_DIR": models_dir}) as server, \
+            server.client() as http:
+        answer = http.post("/v1/classify", content=pictures.files[0], headers=PNG)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["model"] == "shapes-onnx"
+        expected = labels_here(added["shapes-onnx"], pictures)[0]
+        assert answer.json()["predictions"][0]["label"] == expected
