@@ -49,19 +49,24 @@ class ModelSources:
         folder now, not at most a few seconds ago)."""
         return [*builtin_catalogue(), *(own_entry(e) for e in self.own.scan(force=fresh))]
 
+    def _own(self, name: str) -> OwnEntry | None:
+        """The own model ``name``; a built-in name never looks in the models folder (no own
+        model may take one, and a miss there rescans the folder: not per request)."""
+        return None if is_builtin(name) else self.own.get(name)
+
     def entry(self, name: str) -> CatalogueEntry | None:
-        own = self.own.get(name)
+        own = self._own(name)
         if own is not None:
             return own_entry(own)
         return next((e for e in builtin_catalogue() if e.name == name), None)
 
     def knows(self, name: str) -> bool:
         """Whether ``name`` is exactly a model the catalogue lists."""
-        return self.own.get(name) is not None or any(
+        return self._own(name) is not None or any(
             e.name == name for e in builtin_catalogue())
 
     def is_own(self, name: str) -> bool:
-        return self.own.get(name) is not None
+        return self._own(name) is not None
 
     def check(self, name: str) -> None:
         """An own model's trial, once per content (blocking: a child process); 422
@@ -75,7 +80,7 @@ class ModelSources:
 
     def weights_path(self, name: str, weights: Path | None = None) -> Path:
         """The weights file, or an own model's folder."""
-        own = self.own.get(name)
+        own = self._own(name)
         if own is not None:
             return own.folder
         return registry.resolve_weights(name, weights)
@@ -83,7 +88,7 @@ class ModelSources:
     def load(self, name: str, device: torch.device, weights: Path | None = None
              ) -> LoadedModel:
         """Build ``name`` on ``device``: an own model once it has passed its check."""
-        own = self.own.get(name)
+        own = self._own(name)
         if own is None:
             return registry.load_model(name, device, weights)
         try:
