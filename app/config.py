@@ -144,8 +144,9 @@ class Settings(BaseSettings):
                                       "(default: 0 on the CPU, 2 on a GPU).")
     queue_size: int = Field(256, ge=1, description="Requests that may wait for the model; "
                             "beyond this they get 503 and a Retry-After.")
-    request_timeout_s: float = Field(10.0, gt=0, description="A request still queued after "
-                                     "this many seconds gets 503 instead of being computed.")
+    request_timeout_s: float = Field(10.0, gt=0, description="A request still queued this "
+                                     "many seconds after its image arrived gets 503 "
+                                     "instead of being computed.")
     max_connections: int = Field(1024, ge=1, description="Connections open at once; a new "
                                  "one beyond this gets 503 and a Retry-After (fewer when the "
                                  "open-files limit is lower).")

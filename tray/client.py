@@ -3,9 +3,10 @@ per-user token file.
 
 The token goes only to a server that has just proved it knows it: before each admin
 call the client sends a fresh nonce to ``POST /v1/identity`` and checks the answer,
-HMAC(token, nonce ‖ port), against the port it called. Whatever else answers on the
-port (a program that took it while vramguard was down, or one that passes the challenge
-on to a real vramguard elsewhere) gets no token and no action. ``vramguard stop`` and
+HMAC(token, nonce ‖ address ‖ port), against the address and port its connection really
+reached. Whatever else answers there (a program that took the port while vramguard was
+down, or one that passes the challenge on to a real vramguard elsewhere: another port,
+or ``::1`` behind ``127.0.0.1``) gets no token and no action. ``vramguard stop`` and
 the second launch use this client too.
 
 Readings (``sample``) go without the token, unless the server asks for an API key
@@ -56,6 +57,19 @@ class Refused(RuntimeError):
         self.status = status
 
 
+def answered_at(response: httpx.Response) -> tuple[str, int]:
+    """The address and port that really answered: the connection's peer, else the URL's
+    (a test transport has no socket)."""
+    stream = response.extensions.get("network_stream")
+    try:
+        peer = stream.get_extra_info("server_addr") if stream is not None else None
+    except OSError:  # closed since
+        peer = None
+    if isinstance(peer, tuple) and len(peer) >= 2:
+        return str(peer[0]), int(peer[1])
+    return response.url.host, response.url.port or 80
+
+
 class ApiClient:
     def __init__(self, base_url: str, token_file: Path, timeout: float = 3.0,
                  transport: httpx.BaseTransport | None = None) -> None:
@@ -92,7 +106,7 @@ class ApiClient:
             proof = response.json()["proof"]
         except (ValueError, KeyError, TypeError):
             proof = None
-        expected = identity_proof(token, nonce, self.port)
+        expected = identity_proof(token, nonce, *answered_at(response))
         if response.status_code != 200 or not isinstance(proof, str) or \
                 not hmac.compare_digest(proof.encode(), expected.encode()):
             raise NotVramguard(f"Another program is answering on port {self.port}; "

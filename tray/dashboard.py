@@ -9,7 +9,8 @@ into a private page (0600, in the private instance folder) that sends the browse
 at once, same-origin, as before. The page is deleted after ``KEEP_S``, and any left
 behind (the second launch exits before then) the next time one is written.
 
-What is opened is always built here: the configured ``http://127.0.0.1:<port>/ui`` and
+What is opened is always built here: the server's own address (``http://127.0.0.1:<port>/ui``,
+or ``[::1]`` for a server on IPv6) and
 a code of the expected shape; never a URL or path from a server's answer (on Windows,
 ``webbrowser.open`` is ``os.startfile``, which runs programs).
 """

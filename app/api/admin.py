@@ -12,6 +12,7 @@ from pydantic import BaseModel, Field
 
 from app.gates.admin_token import require_admin
 from app.host.token_file import NONCE_BYTES, identity_proof
+from app.http.scope import listening_address
 from app.http.state import state_of
 from app.schemas import ErrorResponse, IdentityProof
 
@@ -30,13 +31,16 @@ class Challenge(BaseModel):
              responses={400: {"model": ErrorResponse}},
              summary="Prove this is the vramguard that holds the admin token")
 async def identity(request: Request, body: Challenge) -> IdentityProof:
-    """Answers HMAC-SHA256(admin token, nonce ‖ the port vramguard listens on). The tray,
-    `vramguard stop` and a second launch check it before they send the token: a program
-    that took the port cannot answer, and one that passes the challenge on to a real
-    vramguard on another port gets an answer bound to that other port."""
+    """Answers HMAC-SHA256(admin token, nonce ‖ address ‖ port), over the address and port
+    this connection reached (the listening socket's own). The tray, `vramguard stop`, a
+    second launch and the clients check it against where they connected before they send
+    the token or an image: a program that took the port cannot answer, and one that
+    passes the challenge on to a real vramguard elsewhere (another port, or the other
+    loopback family: ``::1`` behind ``127.0.0.1``) gets an answer bound to that
+    elsewhere."""
     state = state_of(request)
-    proof = identity_proof(state.admin_token.current(), bytes.fromhex(body.nonce),
-                           state.settings.port)
+    host, port = listening_address(request.scope, state.settings.host, state.settings.port)
+    proof = identity_proof(state.admin_token.current(), bytes.fromhex(body.nonce), host, port)
     return IdentityProof(proof=proof)
 
 

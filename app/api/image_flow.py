@@ -292,6 +292,15 @@ async def serve_in_place(request: Request, model: LoadedModel, place: Reservatio
                         started, watch=watch)
 
 
+def after_body(state: AppState) -> float:
+    """The deadline of a request whose whole body has arrived: ``request_timeout_s`` from
+    now. Reading the body is bounded by the upload's own deadline (``upload_grace_s`` plus
+    its bytes at ``min_upload_bytes_per_s``), so a large image on a slow link is not
+    refused for the time its upload took; waiting for a place before it is bounded by the
+    deadline from the request's start."""
+    return time.monotonic() + state.settings.request_timeout_s
+
+
 async def serve_image(request: Request, model: str | None, keep_alive_s: float | None,
                       task: str, top_k: int) -> Served:
     """One upload through the whole path, for ``task`` on ``model`` (default: --model)."""
@@ -304,6 +313,8 @@ async def serve_image(request: Request, model: str | None, keep_alive_s: float |
     check_task(loaded, task)
     with admit_after(state, loaded, deadline, waits) as place, \
             in_time_left_by_load(loaded.name, waits):
+        # Arguments are evaluated in order: the body is read before ``after_body`` starts
+        # the clock for the rest (the upload has its own deadline).
         return await serve_in_place(request, loaded, place, await read_upload(request),
-                                    Ask(task, top_k), deadline, started,
+                                    Ask(task, top_k), after_body(state), started,
                                     decoded=lambda: body_done(request.scope))

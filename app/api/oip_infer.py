@@ -26,6 +26,7 @@ from app.api.image_flow import (
     Image,
     Served,
     admit_after,
+    after_body,
     find_model,
     in_time_left_by_load,
     is_loaded,
@@ -128,11 +129,13 @@ def _left(deadline: float) -> float:
     return max(0.0, deadline - time.monotonic())
 
 
-async def _parsed(request: Request, state: AppState, name: str, known: Facts,
-                  deadline: float) -> InferRequest:
+async def _parsed(request: Request, state: AppState, name: str,
+                  known: Facts) -> tuple[InferRequest, float]:
     """The body, read and parsed on the CPU pool and checked against ``known``; then its
-    further images' tokens, paid."""
+    further images' tokens, paid; and the request's deadline, counted from the body's
+    arrival (``image_flow.after_body``)."""
     body = await _read_body(request)
+    deadline = after_body(state)
     parsed = await state.pool.run_before(deadline, parse_request, body,
                                          request.headers.get(HEADER_LENGTH), known.crop,
                                          known.channels,
@@ -140,7 +143,7 @@ async def _parsed(request: Request, state: AppState, name: str, known: Facts,
     del body
     _plan(parsed, known, name)
     await take_tokens(request.scope, parsed.count - 1, deadline)
-    return parsed
+    return parsed, deadline
 
 
 def _check_pixels(parsed: InferRequest, model: LoadedModel) -> None:
@@ -165,14 +168,14 @@ async def serve_inference(request: Request, name: str) -> Response:
     with ExitStack() as places:
         if waits:
             require_serving(engine.view())
-            parsed = await _parsed(request, state, name, facts(engine, name), deadline)
+            parsed, deadline = await _parsed(request, state, name, facts(engine, name))
             model = await find_model(state, name, caller=caller)
             _check_pixels(parsed, model)
             first = places.enter_context(admit_after(state, model, deadline, waits))
         else:
             model = await find_model(state, name, caller=caller)
             first = places.enter_context(admit_after(state, model, deadline, waits))
-            parsed = await _parsed(request, state, name, Facts.of(model), deadline)
+            parsed, deadline = await _parsed(request, state, name, Facts.of(model))
         places.enter_context(in_time_left_by_load(model.name, waits))
         plan = _plan(parsed, Facts.of(model), model.name)
         spots = [first, *(places.enter_context(engine.admit(_left(deadline), model.name))

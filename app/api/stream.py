@@ -62,6 +62,7 @@ from app.api.image_flow import (
     Served,
     Threshold,
     TopK,
+    after_body,
     check_task,
     find_model,
     find_model_asked,
@@ -237,11 +238,9 @@ class StreamRun:
                 admitted.set_result(False)
                 raise
             with place:
-                deadline = time.monotonic() + self.timeout_s
                 started = time.perf_counter()
                 admitted.set_result(True)
-                line["result"] = self._result(await self._serve(part, model, place, deadline,
-                                                                started))
+                line["result"] = self._result(await self._serve(part, model, place, started))
             self.ok += 1
         except ApiError as error:
             line["error"] = error_line(error)
@@ -255,11 +254,13 @@ class StreamRun:
         await self.lines.write(line)
 
     async def _serve(self, part: Part, model: LoadedModel, place: Reservation,
-                     deadline: float, started: float) -> Served:
-        """The image's bytes, once read, through ``serve_in_place``; they are given back to
+                     started: float) -> Served:
+        """The image's bytes, once read, through ``serve_in_place`` within
+        ``request_timeout_s`` of their arrival (``after_body``); they are given back to
         the upload caps once decoded, or when it fails (its part's future keeps them until
         its line is written: a window's worth at most)."""
         held = len(await part.body)
+        deadline = after_body(self.state)
 
         def decoded() -> None:
             nonlocal held

@@ -24,6 +24,7 @@ from fastapi.responses import HTMLResponse
 
 from app.api.ui import POLICY
 from app.config import Settings
+from app.host.address import netloc, reached_host
 from app.http.state import state_of
 
 router = APIRouter()
@@ -31,7 +32,6 @@ PAGE = Path(__file__).parent.parent / "ui" / "use.html"
 DEFAULT_ADDRESS = "127.0.0.1:8765"
 PHOTO = "tests/data/coffee.jpg"
 PLACE = re.compile(r"\{\{(\w+)\}\}")  # {{name}} in use.html
-WILDCARDS = frozenset({"0.0.0.0", "::", ""})
 NO_KEY_IN_CLIENTS = ("vramguard's Python and JavaScript clients cannot send an API key yet: "
                      "on this server use curl or tritonclient (below), or any HTTP library "
                      "that sends the header Authorization: Bearer KEY.")
@@ -49,10 +49,8 @@ class Example:
 
 
 def address_of(settings: Settings) -> str:
-    """host:port that clients on this computer use: 127.0.0.1 for a server listening on
-    every address, brackets around an IPv6 address."""
-    host = "127.0.0.1" if settings.host in WILDCARDS else settings.host
-    return f"[{host}]:{settings.port}" if ":" in host else f"{host}:{settings.port}"
+    """host:port that clients on this computer use (``app/host/address.py``)."""
+    return netloc(reached_host(settings.host), settings.port)
 
 
 def shell_path(path: Path, home: Path) -> str:

@@ -48,12 +48,14 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 from vramguard_client import (
+    Client,
     DeadlineExceeded,
     InsufficientMemory,
     Loading,
     NotReady,
     Overloaded,
     RateLimited,
+    VramguardError,
     find_server,
 )
 
@@ -320,6 +322,17 @@ class Streamer:
                     "default http://127.0.0.1:8765).")
 
 
+def proven(found: str) -> str:
+    """The vramguard found running, once it has proved it is this user's (the identity
+    challenge, as the tray does): images never go to another program that holds its
+    port. Fatal when it cannot prove it; ``--url`` skips the check."""
+    with Client(timeout=30) as client:
+        try:
+            return client.verify()
+        except VramguardError as exc:
+            raise Fatal(f"{exc} To send them there anyway, add --url {found}") from None
+
+
 def run_classify(args: argparse.Namespace) -> int:
     """The command: the status it exits with (see ``app.cli``)."""
     console = Console(stderr=True, highlight=False)
@@ -350,6 +363,8 @@ def run_classify(args: argparse.Namespace) -> int:
                 raise Fatal(str(exc)) from None
             url = server.url
             warn(f"started at {url}.")
+        elif paths and not args.url:
+            url = proven(url)
         if paths:
             tally.started = time.monotonic()  # images/s: not counting a server's start
             with progress:

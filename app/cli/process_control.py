@@ -31,6 +31,7 @@ from app.config import (
     default_config_file,
     unknown_variables,
 )
+from app.host.address import local_url
 from app.host.instance import (
     InstanceLock,
     RunningInstance,
@@ -49,8 +50,7 @@ STARTING_WAIT_S = 15  # a second launch waits this long for a server still start
 
 
 def _url(settings: Settings) -> str:
-    host = "127.0.0.1" if settings.host in LOOPBACK_HOSTS else settings.host
-    return f"http://{host}:{settings.port}"
+    return local_url(settings.host, settings.port)
 
 
 def _already_running(settings: Settings) -> RunningInstance | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
+import ipaddress
 import logging
 import os
 import secrets
@@ -32,11 +33,29 @@ class InsecureTokenFile(OSError):
     the message saying how to fix it."""
 
 
-def identity_proof(token: str, nonce: bytes, port: int) -> str:
-    """HMAC-SHA256 keyed with the token over the nonce and the port the server listens on
-    (two bytes, big-endian), in hex. Binding the port means a program on another port
-    cannot pass on a real vramguard's answer as its own."""
-    message = nonce + port.to_bytes(2, "big")
+def proof_address(host: str) -> bytes:
+    """An address as the proof binds it: an IP address's 4 or 16 bytes (an IPv4 address
+    seen through a dual-stack socket, ``::ffff:a.b.c.d``, as its 4), else the name's
+    lower-case UTF-8 (a test transport's made-up host)."""
+    name = host.strip("[]")
+    try:
+        address = ipaddress.ip_address(name)
+    except ValueError:
+        return name.lower().encode()
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.packed
+
+
+def identity_proof(token: str, nonce: bytes, host: str, port: int) -> str:
+    """HMAC-SHA256 keyed with the token over the nonce, the address the server received
+    the challenge on (one length byte, then ``proof_address``) and that port (two bytes,
+    big-endian), in hex. Binding the address and the port means a program that passes the
+    challenge on to a real vramguard cannot use its answer as its own: the answer names
+    where the real server listens (another port, or ``::1`` where the relay holds
+    ``127.0.0.1``), and the client checks it against where it connected."""
+    address = proof_address(host)
+    message = nonce + len(address).to_bytes(1, "big") + address + port.to_bytes(2, "big")
     return hmac.new(token.encode(), message, hashlib.sha256).hexdigest()
 
 

@@ -63,3 +63,13 @@ def authorization(scope: Scope) -> str:
         if name == b"authorization":
             return bytes(value).decode("latin-1")
     return ""
+
+
+def listening_address(scope: Scope, host: str, port: int) -> tuple[str, int]:
+    """The address and port this connection reached, as the server's socket reports it
+    (``scope["server"]``); the configured ``host`` and ``port`` when the server sent none
+    (a Unix socket, some test transports)."""
+    server = scope.get("server")
+    if server and server[0] and server[1]:
+        return str(server[0]), int(server[1])
+    return host, port

@@ -17,9 +17,11 @@ export const DEFAULT_HOST = "127.0.0.1";
 export const DEFAULT_PORT = 8765;
 const APP_NAME = "vramguard";
 const PREFIX = "VRAMGUARD_";
-// Host settings reached at 127.0.0.1: the loopback names, and the wildcards (a server
-// listening on every address also listens on the loopback one).
-const LOCAL_NAMES = new Set(["127.0.0.1", "localhost", "::1", "0.0.0.0", "::", ""]);
+// Host settings reached at the loopback address of the family the server binds (IPv6
+// exactly when the host has a colon): a server on ::1 is not on 127.0.0.1, where another
+// program may listen (vramguard's own rule: app/host/address.py).
+const TO_IPV4 = new Set(["127.0.0.1", "localhost", "0.0.0.0", ""]);
+const TO_IPV6 = new Set(["::1", "::"]);
 
 /** Node's fs, os and path; null where they cannot be imported (a bundle for a page). */
 async function nodeModules() {
@@ -70,8 +72,8 @@ function validPort(value) {
 
 /** The address a client on this computer uses for a server listening on `host`. */
 export function urlFor(host, port) {
-  const name = String(host).replace(/^\[|\]$/g, "");
-  const reached = LOCAL_NAMES.has(name) ? DEFAULT_HOST : name;
+  const name = String(host).trim().replace(/^\[|\]$/g, "").toLowerCase();
+  const reached = TO_IPV4.has(name) ? DEFAULT_HOST : TO_IPV6.has(name) ? "::1" : name;
   return reached.includes(":") ? `http://[${reached}]:${port}` : `http://${reached}:${port}`;
 }
 
@@ -138,8 +140,17 @@ function runningServers({ fs, path }, folder) {
  * configured host and port) or "default". `env` stands for `process.env`.
  */
 export async function findServer({ env } = {}) {
+  const { url, source } = await locate({ env });
+  return { url, source };
+}
+
+/** `findServer`'s answer and the admin token file beside it (`tokenFile`: null in a
+ * browser), which the client's identity check reads. */
+export async function locate({ env } = {}) {
   const modules = await nodeModules();
-  if (modules === null) return { url: urlFor(DEFAULT_HOST, DEFAULT_PORT), source: "default" };
+  if (modules === null) {
+    return { url: urlFor(DEFAULT_HOST, DEFAULT_PORT), source: "default", tokenFile: null };
+  }
   const { fs, os, path } = modules;
   const vars = env ?? process.env;
   const folder = configFolder({ env: vars, platform: process.platform, home: os.homedir(), path });
@@ -156,7 +167,9 @@ export async function findServer({ env } = {}) {
   const configured = port ?? DEFAULT_PORT;
   const running = runningServers(modules, path.join(path.dirname(String(tokenFile)), "run"));
   if (running.size) {
-    return { url: running.get(configured) ?? running.values().next().value, source: "instance" };
+    return { url: running.get(configured) ?? running.values().next().value, source: "instance",
+      tokenFile: String(tokenFile) };
   }
-  return { url: urlFor(host || DEFAULT_HOST, configured), source: host || port ? "config" : "default" };
+  return { url: urlFor(host || DEFAULT_HOST, configured),
+    source: host || port ? "config" : "default", tokenFile: String(tokenFile) };
 }

@@ -336,6 +336,10 @@ export declare class Paused extends Unavailable {}
 export declare class InsufficientMemory extends Unavailable {}
 /** Nothing answers at the appliance's address (the fetch error is `cause`). Not retried. */
 export declare class NotRunning extends VramguardError {}
+/** In Node, a Client without `url` found an appliance that cannot prove it is this
+ * user's vramguard (it does not know the admin token at the address and port reached):
+ * no image was sent to it. Not retried. */
+export declare class NotVramguard extends VramguardError {}
 /** The connection broke before the answer came (retried within the deadline). */
 export declare class ConnectionLost extends VramguardError {}
 /** The call's deadline (`timeoutMs`, waits and retries included) ran out. */

@@ -1,7 +1,8 @@
 // vramguard JavaScript client: an ES module on `fetch` (Node 18+, Electron, browsers).
 // No dependencies. The public API is declared in index.d.ts; README.md explains it.
 
-import { findServer } from "./discovery.js";
+import { findServer, locate } from "./discovery.js";
+import { identityProof, proofModules, readToken } from "./identity.js";
 import {
   errorFromResponse,
   retryWaitMs,
@@ -10,6 +11,7 @@ import {
   PACED,
   JITTER,
   NotRunning,
+  NotVramguard,
   Timeout,
   UnexpectedResponse,
 } from "./internal.js";
@@ -39,6 +41,7 @@ export {
   Paused,
   InsufficientMemory,
   NotRunning,
+  NotVramguard,
   ConnectionLost,
   Timeout,
   UnexpectedResponse,
@@ -121,6 +124,8 @@ export class Client {
   #given; // the url option, or null: then the appliance is found (in Node)
   #found = null; // a promise of the location found, once per client (again after a move)
   #holdUntil = 0; // performance.now() ms before which no image request leaves
+  #tokenFile = null; // the admin token file of the appliance found (Node)
+  #proven = null; // the found appliance's url, once it proved itself
 
   /**
    * @param {object} [options]
@@ -268,15 +273,18 @@ export class Client {
       signal?.addEventListener("abort", onAbort, { once: true });
       let error;
       try {
-        const response = await this.#fetch(this.url + path,
-          { method, headers, body, signal: abort.signal });
-        const text = await response.text();
-        if (response.ok) return parseAnswer(text, response.status);
-        error = errorFromResponse(response.status, response.headers, text);
+        error = paced ? await this.#prove(headers, abort.signal) : null;
+        if (error === null) {
+          const response = await this.#fetch(this.url + path,
+            { method, headers, body, signal: abort.signal });
+          const text = await response.text();
+          if (response.ok) return parseAnswer(text, response.status);
+          error = errorFromResponse(response.status, response.headers, text);
+        }
       } catch (cause) {
         if (signal?.aborted) throw signal.reason;
         if (abort.signal.aborted) throw this.#timeout(timeoutMs);
-        if (cause instanceof UnexpectedResponse) throw cause;
+        if (cause instanceof UnexpectedResponse || cause instanceof NotVramguard) throw cause;
         error = transportError(cause, this.url);
       } finally {
         clearTimeout(timer);
@@ -300,12 +308,48 @@ export class Client {
   async #locate(again) {
     if (this.#given !== null) return this.url;
     if (this.#found === null || again) {
-      this.#found = findServer().then((location) => {
+      this.#found = locate().then(({ tokenFile, ...location }) => {
         this.location = location;
+        this.#tokenFile = tokenFile;
         return location;
       });
     }
     return (await this.#found).url;
+  }
+
+  /** Before images go to an appliance this client found (in Node; once per place it is
+   * found at): its proof that it knows this user's admin token at the address and port
+   * reached. null once proven (or nothing to prove: a given url, a browser); the error
+   * to retry for a busy answer (429, 503); NotVramguard thrown when it cannot prove. */
+  async #prove(headers, signal) {
+    const url = this.url;
+    if (this.#given !== null || this.#proven === url || this.#tokenFile === null) return null;
+    const modules = await proofModules();
+    if (modules === null) return null;
+    const nonce = modules.crypto.randomBytes(32);
+    const response = await this.#fetch(`${url}/v1/identity`, { method: "POST",
+      headers: { ...headers, "Content-Type": "application/json" },
+      body: JSON.stringify({ nonce: nonce.toString("hex") }), signal });
+    const text = await response.text();
+    if (response.status === 429 || response.status === 503) {
+      return errorFromResponse(response.status, response.headers, text);
+    }
+    let proof = null;
+    try {
+      proof = JSON.parse(text)?.proof;
+    } catch {
+      // not vramguard's answer: refused below
+    }
+    const token = readToken(modules, this.#tokenFile, url);
+    const { hostname, port } = new URL(url);
+    const expected = identityProof(modules, token, nonce, hostname, Number(port) || 80);
+    if (!response.ok || typeof proof !== "string" || proof.length !== expected.length ||
+        !modules.crypto.timingSafeEqual(Buffer.from(proof), Buffer.from(expected))) {
+      throw new NotVramguard(`The program answering at ${url} cannot prove it is your ` +
+        "vramguard (or it uses another admin-token file); no image was sent to it.");
+    }
+    this.#proven = url;
+    return null;
   }
 
   #timeout(timeoutMs) {

@@ -2,7 +2,7 @@
 // re-exports what is public; the tests use the rest directly).
 
 /** Any failure of a call: `code` is the server's stable error code (or the client's own:
- * `not_running`, `connection_lost`, `timeout`, `unexpected_response`), `status` the
+ * `not_running`, `not_vramguard`, `connection_lost`, `timeout`, `unexpected_response`), `status` the
  * HTTP status (null when no answer came), `retryAfter` the seconds the server asked to
  * wait (null when it asked nothing). */
 export class VramguardError extends Error {
@@ -124,6 +124,11 @@ export class ConnectionLost extends VramguardError {
 /** The call's deadline (`timeoutMs`, retries included) ran out. */
 export class Timeout extends VramguardError {
   static code = "timeout";
+}
+/** The appliance this client found cannot prove it is this user's vramguard (another
+ * program holds its port): nothing but the challenge was sent to it. */
+export class NotVramguard extends VramguardError {
+  static code = "not_vramguard";
 }
 /** An answer that is not vramguard's JSON. */
 export class UnexpectedResponse extends VramguardError {

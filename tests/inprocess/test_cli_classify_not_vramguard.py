@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 from images import DATA
+from squatter import Squatter
 
 from app.cli.main import main
+from app.host.token_file import load_or_create_token
 
 PAGE = (b"<!doctype html><html><head><title>Router login</title></head>"
         b"<body><form>password</form></body></html>")
@@ -55,3 +57,25 @@ def test_another_program_on_the_port_is_named_not_printed(
     assert f"the program answering at {url} is not vramguard" in err
     assert f"HTTP {status}" in err and '"Router login"' in err and "TinyRouter/1.0" in err
     assert "<html" not in err and "password" not in err
+
+
+def test_images_go_to_no_program_that_cannot_prove_it_is_vramguard(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 26: vramguard is not running and another program holds its port. Without
+    --url, `vramguard classify` has what answers prove it is this user's vramguard (as
+    the tray does) before the first image, so the program gets the challenge and no
+    image; with --url the user named it, and the images go there."""
+    token_file = tmp_path / "admin-token"
+    load_or_create_token(token_file)
+    monkeypatch.setenv("VRAMGUARD_TOKEN_FILE", str(token_file))
+    with Squatter() as squatter:
+        monkeypatch.setenv("VRAMGUARD_PORT", str(squatter.port))
+        code = main(["classify", str(DATA / "coffee.jpg")])
+        out, err = capsys.readouterr()
+        assert code != 0 and not out, err
+        assert f"The program answering at {squatter.url} cannot prove" in err, err
+        assert f"add --url {squatter.url}" in err, err
+        assert set(squatter.paths()) == {"/healthz", "/v1/identity"}, squatter.paths()
+        main(["classify", str(DATA / "coffee.jpg"), "--url", squatter.url])
+        assert any(path.startswith("/v1/classify") for path in squatter.paths())

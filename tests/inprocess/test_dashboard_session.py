@@ -89,15 +89,17 @@ def test_a_code_works_once_and_not_after_two_minutes() -> None:
     assert sessions.redeem(late) is None
 
 
-async def test_the_server_proves_it_knows_the_token_for_its_own_port(tmp_path):
+async def test_the_server_proves_it_knows_the_token_for_its_own_address(tmp_path):
+    """The proof binds the address and port the connection reached (the listening
+    socket's: ASGI's ``server``), written out here as the protocol says."""
     with built_app(tmp_path, port=8766) as app:
         token = app.state.vg.admin_token.current()
         nonce = bytes(range(32))
         async with client(app, base_url="http://127.0.0.1:8766") as http:
             answer = await http.post("/v1/identity", json={"nonce": nonce.hex()})
             assert answer.status_code == 200, answer.text
-            expected = hmac.new(token.encode(), nonce + (8766).to_bytes(2, "big"),
-                                hashlib.sha256).hexdigest()
+            message = nonce + b"\x04" + bytes([127, 0, 0, 1]) + (8766).to_bytes(2, "big")
+            expected = hmac.new(token.encode(), message, hashlib.sha256).hexdigest()
             assert answer.json() == {"proof": expected}
             assert token not in answer.text
             for bad in ("", "00", "zz" * 32, nonce.hex() + "00"):

@@ -19,6 +19,7 @@ from urllib.parse import unquote, urlparse
 
 import httpx
 import pytest
+import vramguard_client as vg
 from live_server import ROOT
 from squatter import EVIL_URL, Squatter, knowing, relay_to, served_app
 
@@ -109,6 +110,35 @@ def test_a_relayed_challenge_fails_because_the_port_is_in_the_proof(tmp_path):
             relayed.close()
         assert relay.paths() == ["/v1/identity"] and statuses == [200]  # really answered
         assert relay.with_token() == []
+        assert real.app.state.vg.engine.paused is False
+
+
+def test_a_relay_on_the_other_loopback_family_gets_no_token(tmp_path):
+    """Issue 26: vramguard listens on ::1; another user holds 127.0.0.1 on the same port
+    and relays everything to [::1]. The real answer is bound to ::1, so a client that
+    reached 127.0.0.1 refuses it; the tray and the Python client, pointed at where the
+    server listens (the instance file says [::1]), prove it and act."""
+    with served_app(tmp_path, host="::1") as real:
+        statuses: list[int] = []
+        with Squatter(relay_to(real.url, statuses), port=real.port) as relay:
+            assert relay.port == real.port and relay.url != real.url
+            tray = ApiClient(relay.url, real.token_file)
+            with pytest.raises(Exception, match=f"Another program is answering on port "
+                                                f"{relay.port}"):
+                tray.set_paused(True)
+            tray.close()
+            with vg.Client(relay.url, token_file=real.token_file) as client, \
+                    pytest.raises(vg.NotVramguard):
+                client.pause()
+            assert relay.paths() == ["/v1/identity", "/v1/identity"] and \
+                statuses == [200, 200]  # the real server answered both
+            assert relay.with_token() == []
+            direct = ApiClient(real.url, real.token_file)
+            assert direct.set_paused(True) == {"paused": True}
+            direct.close()
+            assert real.app.state.vg.engine.paused is True
+            with vg.Client(real.url, token_file=real.token_file) as client:
+                client.resume()
         assert real.app.state.vg.engine.paused is False
 
 

@@ -82,15 +82,17 @@ def test_idle_uploads_hold_nothing_stalls_close_and_hang_ups_are_counted(tmp_pat
 GRACE_S = 2
 MIN_RATE = 128 * 1024  # bytes a second: the test's minimum, a tenth of the default's
 SLACK_S = 4  # on top of a deadline: a busy machine, the server's timer resolution
+REQUEST_TIMEOUT_S = 4  # less than the 6.4 s the served slow upload below takes
 
 
 @pytest.fixture(scope="module")
 def paced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     """A server with a 2-place line, a short grace and a low minimum rate (so that a body
-    at that rate takes seconds, not minutes), and time enough to answer a slow upload."""
+    at that rate takes seconds, not minutes), and a request timeout shorter than a slow
+    upload takes: it counts from the body's arrival, so a slow upload is still answered."""
     env = {"VRAMGUARD_QUEUE_SIZE": "2", "VRAMGUARD_UPLOAD_GRACE_S": str(GRACE_S),
            "VRAMGUARD_MIN_UPLOAD_BYTES_PER_S": str(MIN_RATE),
-           "VRAMGUARD_REQUEST_TIMEOUT_S": "30", "VRAMGUARD_RATE_LIMIT": "0"}
+           "VRAMGUARD_REQUEST_TIMEOUT_S": str(REQUEST_TIMEOUT_S), "VRAMGUARD_RATE_LIMIT": "0"}
     with live_server(tmp_path_factory.mktemp("paced"), "--no-cache", env=env) as server:
         yield server
 
@@ -185,7 +187,7 @@ def test_an_upload_just_above_the_minimum_rate_is_served_and_one_below_is_cut(pa
     assert len(body) > 1024**2 - 100_000
     answer, took_s = send_at(paced, body, 1.25 * MIN_RATE)
     assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
-    assert took_s > 3 * GRACE_S
+    assert took_s > 3 * GRACE_S > REQUEST_TIMEOUT_S  # the upload's time is not the request's
     answer, took_s = send_at(paced, body, 0.5 * MIN_RATE)
     assert answer.startswith(b"HTTP/1.1 408 ") and b"too slowly" in answer, answer[:300]
     assert 2 * GRACE_S - 1 <= took_s <= 2 * GRACE_S + SLACK_S

@@ -47,10 +47,14 @@ def gullible(request: Received, port: int) -> tuple[int, dict[str, Any]]:
                  "freed_bytes": 0, "status": "shutting down"}
 
 
-def identity_proof(token: str, nonce_hex: str, port: int) -> str:
+def identity_proof(token: str, nonce_hex: str, port: int,
+                   address: bytes = bytes([127, 0, 0, 1])) -> str:
     """The protocol, written out independently of the app: HMAC-SHA256 keyed with the admin
-    token over the nonce's 32 bytes followed by the port as two big-endian bytes."""
-    message = bytes.fromhex(nonce_hex) + port.to_bytes(2, "big")
+    token over the nonce's 32 bytes, one byte for the address's length, the address (an
+    IP address's packed bytes: 127.0.0.1 here, where squatters listen) and the port as
+    two big-endian bytes."""
+    message = bytes.fromhex(nonce_hex) + bytes([len(address)]) + address + \
+        port.to_bytes(2, "big")
     return hmac.new(token.encode(), message, hashlib.sha256).hexdigest()
 
 
@@ -73,6 +77,7 @@ class Squatter:
 
     answer: Answer = gullible
     received: list[Received] = field(default_factory=list)
+    port: int = 0  # 0: a free one (a relay takes the port its target has on the other family)
 
     def __post_init__(self) -> None:
         squatter = self
@@ -97,7 +102,7 @@ class Squatter:
             def log_message(self, format: str, *args: Any) -> None:
                 pass
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
         self.port = int(self._server.server_address[1])
         self.url = f"http://127.0.0.1:{self.port}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -143,14 +148,14 @@ class Served:
 
 
 @contextmanager
-def served_app(tmp_path: Path, **overrides: Any) -> Iterator[Served]:
-    """The real app (a ReadyEngine: no model) behind uvicorn on a free 127.0.0.1 port, in
-    a thread, its settings' port the one it listens on: a real vramguard for tests that
-    need real sockets but not the model."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
+def served_app(tmp_path: Path, host: str = "127.0.0.1", **overrides: Any) -> Iterator[Served]:
+    """The real app (a ReadyEngine: no model) behind uvicorn on a free port of ``host``
+    (127.0.0.1 or ::1), in a thread, its settings' host and port those it listens on: a
+    real vramguard for tests that need real sockets but not the model."""
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    listener.bind((host, 0))
     port = int(listener.getsockname()[1])
-    with built_app(tmp_path, ready=True, port=port, **overrides) as app:
+    with built_app(tmp_path, ready=True, host=host, port=port, **overrides) as app:
         server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning"))
         thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]},
                                   daemon=True)
@@ -160,7 +165,8 @@ def served_app(tmp_path: Path, **overrides: Any) -> Iterator[Served]:
             assert time.monotonic() < deadline, "the threaded server did not start"
             time.sleep(0.01)
         try:
-            yield Served(f"http://127.0.0.1:{port}", port, app,
+            where = f"[{host}]" if ":" in host else host
+            yield Served(f"http://{where}:{port}", port, app,
                          app.state.vg.settings.token_file)
         finally:
             server.should_exit = True

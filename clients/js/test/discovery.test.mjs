@@ -5,13 +5,13 @@
 
 import assert from "node:assert/strict";
 import { spawnSync } from "node:child_process";
-import { mkdirSync, rmSync, symlinkSync, writeFileSync } from "node:fs";
+import { mkdirSync, readFileSync, rmSync, symlinkSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { afterEach, beforeEach, describe, it } from "node:test";
 
 import { Client, findServer, NotRunning } from "../index.js";
 import { configValues, urlFor } from "../discovery.js";
-import { CLASSIFIED, coffee, isolateUserFolders, standIn } from "./helpers.mjs";
+import { coffee, isolateUserFolders, provingStandIn, standIn, writeToken } from "./helpers.mjs";
 
 let config; // this test's per-user config folder
 
@@ -56,7 +56,7 @@ describe("findServer", () => {
     const other = join(config, "other.toml");
     writeFileSync(other, "port = 9_300\nhost = '::1'\n");
     assert.equal((await findServer({ env: { ...process.env, VRAMGUARD_CONFIG: other } })).url,
-      "http://127.0.0.1:9300");
+      "http://[::1]:9300");
     writeFileSync(other, 'host = "vision.example.com"\nport = 70000\n'); // not a port: the default
     assert.deepEqual(await findServer({ env: { ...process.env, VRAMGUARD_CONFIG: other } }),
       { url: "http://vision.example.com:8765", source: "config" });
@@ -66,9 +66,15 @@ describe("findServer", () => {
     assert.deepEqual(configValues('port = 8780\ntoken_file = "C:\\\\Users\\\\me\\\\tok"\n' +
       "host = 'a.b' # note\n[table]\nmodels = [\"x\"]\nport_x = 1\n"),
     { port: 8780, token_file: "C:\\Users\\me\\tok", host: "a.b" });
-    assert.equal(urlFor("::", 1), "http://127.0.0.1:1");
     assert.equal(urlFor("[fe80::1]", 2), "http://[fe80::1]:2");
     assert.equal(urlFor("localhost", 3), "http://127.0.0.1:3");
+  });
+
+  it("reaches a server on the loopback address of the family it listens on", () => {
+    // The table tests/unit/host/test_address.py holds vramguard and the Python client to.
+    const table = JSON.parse(readFileSync(new URL("../../../tests/data/reached_hosts.json",
+      import.meta.url), "utf8"));
+    for (const [host, url] of Object.entries(table)) assert.equal(urlFor(host, 8765), url, host);
   });
 
   it("a running vramguard's instance file comes first, the configured port's first of all", async () => {
@@ -112,7 +118,8 @@ describe("findServer", () => {
 
 describe("a Client without url", () => {
   it("finds a vramguard moved to another port by its instance file, and classifies there", async () => {
-    const server = await standIn(() => ({ body: CLASSIFIED }));
+    mkdirSync(config, { recursive: true });
+    const server = await provingStandIn(writeToken(join(config, "admin-token")));
     try {
       assert.notEqual(server.port, 8765);
       describeServer(server.port);
@@ -121,7 +128,7 @@ describe("a Client without url", () => {
       const result = await client.classify(coffee(), { topK: 3 });
       assert.equal(result.predictions[0].label, "espresso");
       assert.deepEqual(client.location, { url: server.url, source: "instance" });
-      assert.equal(server.requests[0].url, "/v1/classify?top_k=3");
+      assert.deepEqual(server.requests.map((r) => r.url), ["/v1/identity", "/v1/classify?top_k=3"]);
     } finally {
       await server.close();
     }

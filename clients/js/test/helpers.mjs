@@ -1,7 +1,8 @@
 // Shared by the tests: a recording fake fetch, a real HTTP stand-in, small images made
 // here, the test photos, user folders of the test's own.
 
-import { mkdtempSync, readFileSync } from "node:fs";
+import { createHmac } from "node:crypto";
+import { mkdtempSync, readFileSync, writeFileSync } from "node:fs";
 import { createServer } from "node:http";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
@@ -125,4 +126,48 @@ export async function standIn(answer) {
   const { port } = server.address();
   return { url: `http://127.0.0.1:${port}`, port, requests,
     close: () => new Promise((resolve) => server.close(resolve)) };
+}
+
+/** The packed bytes of the loopback addresses, written out (the proof binds them). */
+export const LOOPBACK_BYTES = { "127.0.0.1": [127, 0, 0, 1], "::1": [...Array(15).fill(0), 1] };
+
+/** A private admin token file at `path` holding `token`. */
+export function writeToken(path, token = "s3cret-token") {
+  writeFileSync(path, `${token}\n`, { mode: 0o600 });
+  return token;
+}
+
+/** A real HTTP server on `host` (a free port) that answers POST /v1/identity the way a
+ * vramguard holding `token` and listening at `proves` (an address of LOOPBACK_BYTES;
+ * default: where it really listens) does, and everything else with `answer(request)`:
+ * `{ status, body }`. `requests` records each one's url and Authorization header. */
+export async function provingStandIn(token, { host = "127.0.0.1", proves = host,
+  answer = () => ({ body: CLASSIFIED }) } = {}) {
+  const requests = [];
+  let port = 0;
+  const server = createServer((request, response) => {
+    const chunks = [];
+    request.on("data", (chunk) => chunks.push(chunk));
+    request.on("end", () => {
+      requests.push({ method: request.method, url: request.url,
+        authorization: request.headers.authorization });
+      let status = 200;
+      let body;
+      if (request.url === "/v1/identity") {
+        const nonce = Buffer.from(JSON.parse(Buffer.concat(chunks).toString()).nonce, "hex");
+        const address = Buffer.from(LOOPBACK_BYTES[proves]);
+        const message = Buffer.concat([nonce, Buffer.from([address.length]), address,
+          Buffer.from([port >> 8, port & 0xff])]);
+        body = { proof: createHmac("sha256", token).update(message).digest("hex") };
+      } else {
+        ({ status = 200, body = {} } = answer(request));
+      }
+      response.writeHead(status, { "content-type": "application/json" });
+      response.end(JSON.stringify(body));
+    });
+  });
+  await new Promise((resolve) => server.listen(0, host, resolve));
+  port = server.address().port;
+  const url = host.includes(":") ? `http://[${host}]:${port}` : `http://${host}:${port}`;
+  return { url, port, requests, close: () => new Promise((resolve) => server.close(resolve)) };
 }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping, Sized
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping, Sized
 from typing import Any
 
 import httpx
@@ -14,6 +14,7 @@ from vramguard_client._discovery import ServerLocation, find_server
 from vramguard_client._errors import NotRunning, VramguardError
 from vramguard_client._protocol import (
     JSON,
+    NO_IMAGE_SENT,
     OCTETS,
     Call,
     ImageInput,
@@ -23,6 +24,7 @@ from vramguard_client._protocol import (
     headers_for,
     image_bytes,
     image_params,
+    image_token,
     json_body,
     model_path,
     new_challenge,
@@ -64,6 +66,8 @@ class AsyncClient:
         self.timeout = timeout
         self.max_retries = max_retries
         self._pace = Pace()
+        self._proven: str | None = None  # the found appliance's URL, once it proved itself
+        self._proving = asyncio.Lock()
         self._http = httpx.AsyncClient(base_url=self.location.url,
                                        headers=headers_for(client_id), transport=transport,
                                        timeout=timeout)
@@ -90,13 +94,17 @@ class AsyncClient:
 
     async def _send(self, call: Call, method: str, path: str, *,
                     content: bytes | None = None, params: Mapping[str, Any] | None = None,
-                    headers: Mapping[str, str] | None = None) -> httpx.Response:
-        """One call with its retries: the successful answer, or the error raised."""
+                    headers: Mapping[str, str] | None = None,
+                    images: bool = False) -> httpx.Response:
+        """One call with its retries: the successful answer, or the error raised.
+        ``images``: they go only to a found appliance that proved it is this user's
+        (``_found_origin``)."""
         while True:
             while wait := call.before_try():  # a hold may be extended meanwhile
                 await asyncio.sleep(wait)
             try:
-                response = await self._http.request(method, path, content=content,
+                target = await self._found_origin(call) + path if images else path
+                response = await self._http.request(method, target, content=content,
                                                     params=params, headers=headers,
                                                     timeout=call.try_timeout())
             except httpx.TransportError as exc:
@@ -109,10 +117,10 @@ class AsyncClient:
                 error = error_from(response)
             await asyncio.sleep(call.after_failure(error))
 
-    async def _admin(self, path: str, timeout: float | None) -> dict[str, Any]:
-        """An admin call: the token goes only to a server that proved it knows it."""
-        token = read_token(self.location.token_file)
-        call = self._call(timeout)
+    async def _prove(self, call: Call, token_of: Callable[[], str], withheld: str) -> str:
+        """The origin of the server this client found, once it has proved it knows the
+        token (``token_of``, read once it has answered) at the address and port this
+        client reached; NotVramguard (nothing sent but the challenge) when it cannot."""
         nonce, challenge = new_challenge()
         try:
             answer: httpx.Response | None = await self._send(
@@ -121,13 +129,41 @@ class AsyncClient:
             if exc.status is None or exc.status in (429, 503):
                 raise
             answer = None  # an answer, but not vramguard's to a challenge
-        origin = proven_origin(answer, token, nonce, self.url)
+        return proven_origin(answer, token_of(), nonce, self.url, withheld)
+
+    async def _found_origin(self, call: Call) -> str:
+        """Where images go: "" (the given URL) when the app named the server, else the
+        found appliance's origin once it has proved it is this user's vramguard (once per
+        place it is found at). Another program holding the port gets no image."""
+        if self._explicit_url:
+            return ""
+        async with self._proving:
+            if self._proven != self.location.url:
+                location = self.location
+                self._proven = await self._prove(
+                    call, lambda: image_token(location.token_file, location.url),
+                    NO_IMAGE_SENT)
+            return self._proven
+
+    async def verify(self, *, timeout: float | None = None) -> str:
+        """The appliance's URL, once a found one has proved it is this user's vramguard
+        (it knows the admin token at the address and port reached), as ``classify`` and
+        ``embed`` make it do before their first image; NotVramguard when it cannot. A
+        ``url`` given to the client is returned as it is, unchecked."""
+        origin = await self._found_origin(self._call(timeout))
+        return origin or self.url
+
+    async def _admin(self, path: str, timeout: float | None) -> dict[str, Any]:
+        """An admin call: the token goes only to a server that proved it knows it."""
+        token = read_token(self.location.token_file)
+        call = self._call(timeout)
+        origin = await self._prove(call, lambda: token, "the admin token was not sent")
         # The token goes only where the proof came from: never to a server found after it
         # (this call does not follow a move), and to that origin even if another call of
         # this client has moved it meanwhile.
         call.may_follow = False
         return json_body(await self._send(call, "POST", origin + path,
-                                          headers={"Authorization": f"Bearer {token}"}))
+                                    headers={"Authorization": f"Bearer {token}"}))
 
     async def classify(self, image: ImageInput, top_k: int = 5, model: str | None = None,
                        *, keep_alive: float | None = None, threshold: float | None = None,
@@ -136,7 +172,8 @@ class AsyncClient:
         model: every label above ``threshold``; ``keep_alive`` only lengthens a stay)."""
         answer = await self._send(self._call(timeout, paced=True), "POST", "/v1/classify",
                                   content=await _upload(image), headers=OCTETS,
-                                  params=image_params(top_k, model, keep_alive, threshold))
+                                  params=image_params(top_k, model, keep_alive, threshold),
+                                  images=True)
         return types.classification(json_body(answer))
 
     async def embed(self, image: ImageInput, model: str | None = None, *,
@@ -145,7 +182,7 @@ class AsyncClient:
         """The image's L2-normalised features (``keep_alive`` as for ``classify``)."""
         answer = await self._send(self._call(timeout, paced=True), "POST", "/v1/embed",
                                   content=await _upload(image), headers=OCTETS,
-                                  params=image_params(None, model, keep_alive))
+                                  params=image_params(None, model, keep_alive), images=True)
         return types.embedding(json_body(answer))
 
     async def _outcome(self, index: int, image: ImageInput, top_k: int, model: str | None,

@@ -34,9 +34,11 @@ APP_NAME = "vramguard"
 ENV_PREFIX = "VRAMGUARD_"
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8765
-_LOCAL_NAMES = frozenset({"127.0.0.1", "localhost", "::1", "0.0.0.0", "::", ""})
-"""Host settings reached at 127.0.0.1: the loopback names, and the wildcards (a server
-listening on every address also listens on the loopback one)."""
+_TO_IPV4 = frozenset({"127.0.0.1", "localhost", "0.0.0.0", ""})
+_TO_IPV6 = frozenset({"::1", "::"})
+"""Host settings reached at the loopback address of the family the server binds (IPv6
+exactly when the host has a colon): a server on ``::1`` is not on ``127.0.0.1``, where
+another program may listen (vramguard's own rule: ``app/host/address.py``)."""
 _NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
@@ -87,8 +89,9 @@ def _port(value: Any) -> int | None:
 
 def url_for(host: str, port: int) -> str:
     """The address a client on this computer uses for a server listening on ``host``."""
-    host = DEFAULT_HOST if host.strip("[]") in _LOCAL_NAMES else host
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    name = host.strip().strip("[]").lower()
+    name = DEFAULT_HOST if name in _TO_IPV4 else "::1" if name in _TO_IPV6 else name
+    return f"http://[{name}]:{port}" if ":" in name else f"http://{name}:{port}"
 
 
 def _is_ours(folder: Path) -> bool:

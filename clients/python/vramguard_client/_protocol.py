@@ -7,6 +7,7 @@ import email.utils
 import hashlib
 import hmac
 import io
+import ipaddress
 import json
 import os
 import random
@@ -244,31 +245,83 @@ def read_token(path: Path) -> str:
     return token
 
 
+NO_IMAGE_SENT = "no image was sent to it"
+
+
+def image_token(path: Path, url: str) -> str:
+    """The admin token, for checking a found appliance before images go to it; when it
+    cannot be read, NotVramguard saying how to send them anyway (name the server)."""
+    try:
+        return read_token(path)
+    except Unauthorized as exc:
+        raise NotVramguard(f"{exc} Without it the program answering at {url} cannot be "
+                           f"checked to be your vramguard, so {NO_IMAGE_SENT}. To send "
+                           "images there without the check, give its URL yourself.") \
+            from None
+
+
 def new_challenge() -> tuple[bytes, bytes]:
     """A fresh nonce and the ``POST /v1/identity`` body that carries it."""
     nonce = secrets.token_bytes(NONCE_BYTES)
     return nonce, json.dumps({"nonce": nonce.hex()}).encode()
 
 
+def answered_at(answer: httpx.Response) -> tuple[str, int]:
+    """The address and port that really answered: the connection's peer (an IP address,
+    whatever name the URL gave), else the URL's host and port (a test transport)."""
+    stream = answer.extensions.get("network_stream")
+    peer = None
+    if stream is not None:
+        try:
+            peer = stream.get_extra_info("server_addr")
+        except OSError:  # the connection has closed since
+            peer = None
+    if isinstance(peer, tuple) and len(peer) >= 2:
+        return str(peer[0]), int(peer[1])
+    origin = answer.url
+    return origin.host, origin.port or (443 if origin.scheme == "https" else 80)
+
+
+def proof_address(host: str) -> bytes:
+    """An address as the server binds it into the proof: an IP address's 4 or 16 bytes
+    (``::ffff:a.b.c.d`` as its IPv4 4), else the name's lower-case UTF-8."""
+    name = host.strip("[]")
+    try:
+        address = ipaddress.ip_address(name)
+    except ValueError:
+        return name.lower().encode()
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.packed
+
+
+def expected_proof(token: str, nonce: bytes, host: str, port: int) -> str:
+    """HMAC-SHA256(token, nonce ‖ one length byte ‖ address ‖ port as 2 big-endian
+    bytes): what a vramguard listening at ``host`` and ``port`` answers."""
+    address = proof_address(host)
+    message = nonce + len(address).to_bytes(1, "big") + address + port.to_bytes(2, "big")
+    return hmac.new(token.encode(), message, hashlib.sha256).hexdigest()
+
+
 def proven_origin(answer: httpx.Response | None, token: str, nonce: bytes,
-                  url: str) -> str:
+                  url: str, withheld: str = "the admin token was not sent") -> str:
     """The origin (``scheme://host:port``) that answered the challenge, when its answer
-    holds HMAC-SHA256(token, nonce ‖ its port as 2 big-endian bytes): it knows this user's
-    token and listens on that port. Else NotVramguard (``answer`` None: it answered, but
-    not to the challenge)."""
+    is the proof for the address and port this client's connection really reached: it
+    knows this user's token and listens exactly there (not a program on the other
+    loopback address or another port that relays the challenge). Else NotVramguard,
+    saying what was ``withheld`` (``answer`` None: it answered, but not to the
+    challenge)."""
     if answer is not None:
-        origin = answer.url
-        port = origin.port or (443 if origin.scheme == "https" else 80)
-        expected = hmac.new(token.encode(), nonce + port.to_bytes(2, "big"),
-                            hashlib.sha256).hexdigest()
+        expected = expected_proof(token, nonce, *answered_at(answer))
         try:
             proof = answer.json().get("proof")
         except (ValueError, AttributeError):
             proof = None
         if isinstance(proof, str) and hmac.compare_digest(proof.encode(), expected.encode()):
+            origin = answer.url
             return f"{origin.scheme}://{origin.netloc.decode('ascii')}"
     raise NotVramguard(f"The program answering at {url} cannot prove it is your vramguard "
-                       "(or it uses another admin-token file); the admin token was not sent.")
+                       f"(or it uses another admin-token file); {withheld}.")
 
 
 def model_path(name: str, action: str) -> str:

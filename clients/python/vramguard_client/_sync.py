@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sized
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -16,6 +17,7 @@ from vramguard_client._discovery import ServerLocation, find_server
 from vramguard_client._errors import NotRunning, VramguardError
 from vramguard_client._protocol import (
     JSON,
+    NO_IMAGE_SENT,
     OCTETS,
     Call,
     ImageInput,
@@ -25,6 +27,7 @@ from vramguard_client._protocol import (
     headers_for,
     image_bytes,
     image_params,
+    image_token,
     json_body,
     model_path,
     new_challenge,
@@ -53,6 +56,8 @@ class Client:
         self.timeout = timeout
         self.max_retries = max_retries
         self._pace = Pace()
+        self._proven: str | None = None  # the found appliance's URL, once it proved itself
+        self._proving = threading.Lock()
         self._http = httpx.Client(base_url=self.location.url, headers=headers_for(client_id),
                                   transport=transport, timeout=timeout)
 
@@ -79,13 +84,17 @@ class Client:
 
     def _send(self, call: Call, method: str, path: str, *, content: bytes | None = None,
               params: Mapping[str, Any] | None = None,
-              headers: Mapping[str, str] | None = None) -> httpx.Response:
-        """One call with its retries: the successful answer, or the error raised."""
+              headers: Mapping[str, str] | None = None,
+              images: bool = False) -> httpx.Response:
+        """One call with its retries: the successful answer, or the error raised.
+        ``images``: they go only to a found appliance that proved it is this user's
+        (``_found_origin``)."""
         while True:
             while wait := call.before_try():  # a hold may be extended meanwhile
                 time.sleep(wait)
             try:
-                response = self._http.request(method, path, content=content, params=params,
+                target = self._found_origin(call) + path if images else path
+                response = self._http.request(method, target, content=content, params=params,
                                               headers=headers, timeout=call.try_timeout())
             except httpx.TransportError as exc:
                 error = transport_error(exc, self.url)
@@ -97,10 +106,10 @@ class Client:
                 error = error_from(response)
             time.sleep(call.after_failure(error))
 
-    def _admin(self, path: str, timeout: float | None) -> dict[str, Any]:
-        """An admin call: the token goes only to a server that proved it knows it."""
-        token = read_token(self.location.token_file)
-        call = self._call(timeout)
+    def _prove(self, call: Call, token_of: Callable[[], str], withheld: str) -> str:
+        """The origin of the server this client found, once it has proved it knows the
+        token (``token_of``, read once it has answered) at the address and port this
+        client reached; NotVramguard (nothing sent but the challenge) when it cannot."""
         nonce, challenge = new_challenge()
         try:
             answer: httpx.Response | None = self._send(
@@ -109,7 +118,35 @@ class Client:
             if exc.status is None or exc.status in (429, 503):
                 raise
             answer = None  # an answer, but not vramguard's to a challenge
-        origin = proven_origin(answer, token, nonce, self.url)
+        return proven_origin(answer, token_of(), nonce, self.url, withheld)
+
+    def _found_origin(self, call: Call) -> str:
+        """Where images go: "" (the given URL) when the app named the server, else the
+        found appliance's origin once it has proved it is this user's vramguard (once per
+        place it is found at). Another program holding the port gets no image."""
+        if self._explicit_url:
+            return ""
+        with self._proving:
+            if self._proven != self.location.url:
+                location = self.location
+                self._proven = self._prove(
+                    call, lambda: image_token(location.token_file, location.url),
+                    NO_IMAGE_SENT)
+            return self._proven
+
+    def verify(self, *, timeout: float | None = None) -> str:
+        """The appliance's URL, once a found one has proved it is this user's vramguard
+        (it knows the admin token at the address and port reached), as ``classify`` and
+        ``embed`` make it do before their first image; NotVramguard when it cannot. A
+        ``url`` given to the client is returned as it is, unchecked."""
+        origin = self._found_origin(self._call(timeout))
+        return origin or self.url
+
+    def _admin(self, path: str, timeout: float | None) -> dict[str, Any]:
+        """An admin call: the token goes only to a server that proved it knows it."""
+        token = read_token(self.location.token_file)
+        call = self._call(timeout)
+        origin = self._prove(call, lambda: token, "the admin token was not sent")
         # The token goes only where the proof came from: never to a server found after it
         # (this call does not follow a move), and to that origin even if another call of
         # this client has moved it meanwhile.
@@ -129,7 +166,7 @@ class Client:
         ignores it and leaves the stay as it was; to free the memory, ``unload_model``."""
         answer = self._send(self._call(timeout, paced=True), "POST", "/v1/classify",
                             content=image_bytes(image), headers=OCTETS,
-                            params=image_params(top_k, model, keep_alive, threshold))
+                            params=image_params(top_k, model, keep_alive, threshold), images=True)
         return types.classification(json_body(answer))
 
     def embed(self, image: ImageInput, model: str | None = None, *,
@@ -138,7 +175,7 @@ class Client:
         ``keep_alive`` as for ``classify``."""
         answer = self._send(self._call(timeout, paced=True), "POST", "/v1/embed",
                             content=image_bytes(image), headers=OCTETS,
-                            params=image_params(None, model, keep_alive))
+                            params=image_params(None, model, keep_alive), images=True)
         return types.embedding(json_body(answer))
 
     def classify_many(self, images: Iterable[ImageInput], top_k: int = 5,

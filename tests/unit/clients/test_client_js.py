@@ -22,3 +22,12 @@ def test_js_client_finds_a_moved_server() -> None:
     servers, the config file and the environment, links refused, and a server on another
     port than 8765 (a real HTTP stand-in) found and followed when it moves again."""
     run_node_tests("discovery.test.mjs")
+
+
+@needs_node
+def test_js_client_checks_the_server_it_found() -> None:
+    """A Client without url has the server it found prove itself (vramguard's proof, the
+    vectors of tests/data/identity_proofs.json) before its first image: a squatter, a
+    relay from the other loopback family and an unreadable token file get no image; a
+    named url is taken as given."""
+    run_node_tests("identity.test.mjs")

@@ -110,7 +110,7 @@ def test_config_file_then_environment(tmp_path, monkeypatch):
     other.write_text('port = 9300\nhost = "::1"\n')
     monkeypatch.delenv("VRAMGUARD_PORT")
     monkeypatch.setenv("VRAMGUARD_CONFIG", str(other))
-    assert vg.find_server().url == "http://127.0.0.1:9300"
+    assert vg.find_server().url == "http://[::1]:9300"  # never the other family
     assert vg.find_server("http://10.0.0.5:1234/").url == "http://10.0.0.5:1234"
 
 
@@ -307,8 +307,12 @@ def test_admin_token_only_after_the_proof(tmp_path):
     assert seen[1].headers["authorization"] == "Bearer s3cret"
 
 
-def proof_for(token: str, nonce: bytes, port: int) -> str:
-    return hmac.new(token.encode(), nonce + port.to_bytes(2, "big"), hashlib.sha256).hexdigest()
+def proof_for(token: str, nonce: bytes, port: int, address: bytes = bytes([127, 0, 0, 1])
+              ) -> str:
+    """The protocol written out: HMAC-SHA256(token, nonce ‖ len(address) ‖ address ‖
+    port), the address as its packed bytes."""
+    message = nonce + bytes([len(address)]) + address + port.to_bytes(2, "big")
+    return hmac.new(token.encode(), message, hashlib.sha256).hexdigest()
 
 
 @pytest.mark.parametrize("answer", [
@@ -334,6 +338,25 @@ def test_the_proof_is_bound_to_the_port():
     assert proven_origin(answer(8765), "t", nonce, "") == "http://127.0.0.1:8765"
     with pytest.raises(vg.NotVramguard):
         proven_origin(answer(8766), "t", nonce, "")
+
+
+def test_the_proof_is_bound_to_the_address():
+    """An answer made by a vramguard on ::1 (relayed by whoever holds 127.0.0.1) fails on
+    127.0.0.1, and the other way round."""
+    nonce = b"n" * 32
+    v6 = bytes(15) + b"\x01"
+
+    def answer(url: str, address: bytes) -> httpx.Response:
+        request = httpx.Request("POST", url + "/v1/identity")
+        proof = proof_for("t", nonce, 8765, address)
+        return httpx.Response(200, json={"proof": proof}, request=request)
+
+    with pytest.raises(vg.NotVramguard):
+        proven_origin(answer("http://127.0.0.1:8765", v6), "t", nonce, "")
+    with pytest.raises(vg.NotVramguard):
+        proven_origin(answer("http://[::1]:8765", bytes([127, 0, 0, 1])), "t", nonce, "")
+    assert proven_origin(answer("http://[::1]:8765", v6), "t", nonce, "") == \
+        "http://[::1]:8765"
 
 
 def test_the_token_never_follows_a_server_that_moved(tmp_path):
@@ -468,3 +491,76 @@ def test_classify_with_an_embed_only_model_is_a_bad_request():
     refused = error("bad_request")
     with mock(Script(refused)) as client, pytest.raises(vg.BadRequest):
         client.classify(b"x", model="my-embedder")
+
+
+# --- images go only to a found appliance that proved it is this user's (issue 26) -------
+
+def proving(token: str, answer: httpx.Response, port: int = 8765) -> Script:
+    """A vramguard on 127.0.0.1:``port`` holding ``token``: the right proof, then ``answer``."""
+
+    class Proving(Script):
+        def __call__(self, request: httpx.Request) -> httpx.Response:
+            if request.url.path == "/v1/identity":
+                self.requests.append((time.monotonic(), request))
+                nonce = bytes.fromhex(json.loads(request.content)["nonce"])
+                return httpx.Response(200, json={"proof": proof_for(token, nonce, port)})
+            return super().__call__(request)
+
+    return Proving(answer)
+
+
+def found_client(script: Script, token_file: Path) -> vg.Client:
+    return vg.Client(transport=httpx.MockTransport(script), token_file=token_file)
+
+
+def test_a_found_server_proves_itself_once_before_the_first_image(tmp_path):
+    script = proving("s3cret", httpx.Response(200, json=ANSWER))
+    with found_client(script, token_file(tmp_path)) as client:
+        assert client.location.source == "default"
+        client.classify(b"x")
+        client.classify(b"z")
+        list(client.classify_many([b"a", b"b"], concurrency=2))
+    paths = [r.url.path for _, r in script.requests]
+    assert paths == ["/v1/identity"] + ["/v1/classify"] * 4, paths
+    assert all("authorization" not in r.headers for _, r in script.requests)
+
+
+def test_a_program_holding_the_port_gets_no_image(tmp_path):
+    squatter = proving("another user's token", httpx.Response(200, json=ANSWER))
+    with found_client(squatter, token_file(tmp_path)) as client, \
+            pytest.raises(vg.NotVramguard, match="no image was sent"):
+        client.classify(b"x")
+    assert [r.url.path for _, r in squatter.requests] == ["/v1/identity"]
+
+
+def test_without_the_token_file_no_image_is_sent_and_the_message_says_how(tmp_path):
+    script = proving("s3cret", httpx.Response(200, json=ANSWER))
+    with found_client(script, tmp_path / "none") as client, \
+            pytest.raises(vg.NotVramguard, match=r"admin token file .* give its URL yourself"):
+        client.classify(b"x")
+    assert [r.url.path for _, r in script.requests] == ["/v1/identity"]
+
+
+def test_a_named_url_is_taken_as_given(tmp_path):
+    script = Script(httpx.Response(200, json=ANSWER))
+    with mock(script, token_file=tmp_path / "none") as client:
+        client.classify(b"x")
+    assert [r.url.path for _, r in script.requests] == ["/v1/classify"]
+
+
+def test_the_async_client_proves_a_found_server_too(tmp_path):
+    squatter = proving("another user's token", httpx.Response(200, json=ANSWER))
+    honest = proving("s3cret", httpx.Response(200, json=ANSWER))
+
+    async def run(script: Script) -> None:
+        async with vg.AsyncClient(transport=httpx.MockTransport(script),
+                                  token_file=token_file(tmp_path)) as client:
+            await client.classify(b"x")
+            await client.classify(b"y")
+
+    asyncio.run(run(honest))
+    assert [r.url.path for _, r in honest.requests] == \
+        ["/v1/identity", "/v1/classify", "/v1/classify"]
+    with pytest.raises(vg.NotVramguard):
+        asyncio.run(run(squatter))
+    assert [r.url.path for _, r in squatter.requests] == ["/v1/identity"]

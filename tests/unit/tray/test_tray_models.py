@@ -54,7 +54,8 @@ class FakeServer:
         self.requests.append((request.method, path, request.headers.get("Authorization")))
         if path == "/v1/identity":
             nonce = bytes.fromhex(json.loads(request.content)["nonce"])
-            return httpx.Response(200, json={"proof": identity_proof(self.token, nonce, PORT)})
+            proof = identity_proof(self.token, nonce, "127.0.0.1", PORT)
+            return httpx.Response(200, json={"proof": proof})
         if path.startswith("/v1/models/") and path.endswith("/unload"):
             if request.headers.get("Authorization") != f"Bearer {self.token}":
                 return error(401, "unauthorized", "An admin token is needed.")
