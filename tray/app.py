@@ -15,6 +15,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -113,6 +114,7 @@ def _say(icon: Any, message: str) -> None:
     if not icon.HAS_NOTIFICATION:
         log.warning("tray: %s", message)
         return
+    log.info("tray: %s", message)  # in the launcher's log too: a notification is gone soon
     try:
         icon.notify(message, "vramguard")
     except Exception as exc:
@@ -188,10 +190,10 @@ def build_menu(pystray: ModuleType, controller: TrayController,
 
 
 CRASH_MESSAGE = ("vramguard hit an unexpected problem ({kind}) and carried on. The details "
-                 "are in its log file.")
+                 "are in {where}.")
 
 
-def report_crashes(notify: Callable[[str], None]) -> None:
+def report_crashes(notify: Callable[[str], None], log_file: Path | None = None) -> None:
     """Log an exception that no one caught, in any thread, and say so in a notification.
     The windowed program has no console: without this, one in a thread vanishes, and one
     in the main thread becomes PyInstaller's modal traceback dialog."""
@@ -199,7 +201,8 @@ def report_crashes(notify: Callable[[str], None]) -> None:
     def report(kind: type[BaseException], error: BaseException, trace: Any) -> None:
         log.error("an unexpected problem: %s", error, exc_info=(kind, error, trace))
         try:
-            notify(CRASH_MESSAGE.format(kind=kind.__name__))
+            notify(CRASH_MESSAGE.format(kind=kind.__name__, where=log_file or
+                                        "the tray's log file (its folder cannot be written)"))
         except Exception:  # the icon may be gone; the log has it
             log.debug("could not show the notification", exc_info=True)
 
@@ -211,15 +214,16 @@ def report_crashes(notify: Callable[[str], None]) -> None:
     threading.excepthook = report_thread
 
 
-def run_tray(controller: TrayController) -> None:
+def run_tray(controller: TrayController, log_file: Path | None = None) -> None:
     """Show the icon until Quit; redraw it on each event from the server (at least once a
-    second, which also supervises the server) from a stoppable thread."""
+    second, which also supervises the server) from a stoppable thread. ``log_file``: the
+    launcher's own log, which the crash notification names."""
     pystray = load_pystray()
     stop = threading.Event()
     icon = pystray.Icon("vramguard", controller.icon(), controller.tooltip(),
                         build_menu(pystray, controller, stop))
     controller.notify = lambda message: _say(icon, message)
-    report_crashes(controller.notify)
+    report_crashes(controller.notify, log_file)
     # where the backend has no menu, a click opens the dashboard (the default item)
     accept_clicks(icon, lambda: _say_problem(icon, controller.open_dashboard()))
 

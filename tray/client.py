@@ -76,8 +76,10 @@ class ApiClient:
         self.base_url = base_url
         self.token_file = token_file
         self.port = httpx.URL(base_url).port or 80
+        # trust_env=False: never a proxy of the environment or of Windows' settings
+        # (httpx ignores their exception list for 127.0.0.1, encode/httpx#1536).
         self._http = httpx.Client(base_url=base_url, timeout=timeout, transport=transport,
-                                  headers={"X-Client-Id": "vramguard-tray"})
+                                  headers={"X-Client-Id": "vramguard-tray"}, trust_env=False)
         self.keyed = False  # the server answered a reading with 401: it asks for a key
 
     def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:

@@ -258,6 +258,21 @@ def _exit_cleanly(signum: int, frame: object) -> None:
     raise SystemExit(0)
 
 
+def _tray_logging(settings: Settings) -> Path | None:
+    """The launcher's own rotating log (``vramguard-tray.log`` beside the server's): a
+    windowed launcher has no console, and its messages, why it gave up and a crash's
+    traceback would be lost. None when the folder cannot be written (said on stderr)."""
+    from app.host.logs import setup_logging
+    from app.host.user_files import check_user_files
+
+    files = check_user_files(settings.token_file, settings.log_dir, None)
+    log_file = setup_logging(settings.log_level, settings.log_dir if files.log_ok else None,
+                             settings.port, part="tray")
+    logging.getLogger("vramguard.tray").info("vramguard %s tray, log %s", __version__,
+                                             log_file or "none (its folder cannot be written)")
+    return log_file
+
+
 def tray_command(settings: Settings, start_server: bool, argv: list[str] | None,
                  keep_server: bool = False) -> int:
     """`tray`: icon for a running server. `run`: start the server as a child and show the
@@ -274,6 +289,7 @@ def tray_command(settings: Settings, start_server: bool, argv: list[str] | None,
     from tray.client import ApiClient
     from tray.controller import TrayController
 
+    log_file = _tray_logging(settings)
     url = _url(settings)
     if start_server and _already_running(settings):
         return _show_dashboard(settings, url)  # a second double-click on the shortcut
@@ -305,7 +321,7 @@ def tray_command(settings: Settings, start_server: bool, argv: list[str] | None,
         previous = {number: signal.signal(number, end_tray) for number in stop_signals()}
         try:
             controller.ensure_server()
-            tray_app.run_tray(controller)
+            tray_app.run_tray(controller, log_file)
         finally:
             if keep_server:
                 controller.request_shutdown()

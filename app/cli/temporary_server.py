@@ -46,7 +46,8 @@ class TemporaryServer:
             if self.process.poll() is not None:
                 raise StartFailed(f"the vramguard started for this run stopped:\n{self.tail()}")
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
+                if httpx.get(f"{self.url}/readyz", timeout=2,
+                             trust_env=False).status_code == 200:
                     return
             time.sleep(0.5)
         raise StartFailed(f"the vramguard started for this run was not ready in "
@@ -74,7 +75,7 @@ class TemporaryServer:
 def answers(url: str) -> bool:
     """Whether anything answers HTTP at ``url`` (a vramguard or not: the run then says so)."""
     try:
-        httpx.get(f"{url}/healthz", timeout=3)
+        httpx.get(f"{url}/healthz", timeout=3, trust_env=False)  # this computer: no proxy
     except httpx.HTTPError:
         return False
     return True

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import logging.handlers
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -121,21 +122,25 @@ def flush_repeats() -> None:
 DEFAULT_PORT = 8765
 
 
-def log_file_name(port: int = DEFAULT_PORT) -> str:
+def log_file_name(port: int = DEFAULT_PORT, part: str = "") -> str:
     """One file per port: two servers rotating one file would each rename it while the
-    other has it open, which Windows refuses (and the two logs would interleave)."""
-    return "vramguard.log" if port == DEFAULT_PORT else f"vramguard-{port}.log"
+    other has it open, which Windows refuses (and the two logs would interleave). The
+    tray launcher (``part`` "tray") keeps its own beside the server's, for the same
+    reason: ``vramguard-tray.log``."""
+    stem = f"vramguard-{part}" if part else "vramguard"
+    return f"{stem}.log" if port == DEFAULT_PORT else f"{stem}-{port}.log"
 
 
-def setup_logging(level: str, log_dir: Path | None,
-                  port: int = DEFAULT_PORT) -> Path | None:
+def setup_logging(level: str, log_dir: Path | None, port: int = DEFAULT_PORT,
+                  part: str = "") -> Path | None:
     """Send every logger (uvicorn's included) to the file (none when ``log_dir`` is None:
-    the folder cannot be written) and to stderr; return the file."""
-    handlers: list[logging.Handler] = [logging.StreamHandler()]
+    the folder cannot be written) and to stderr where there is one (a windowed program
+    has none: then the file is all there is); return the file."""
+    handlers: list[logging.Handler] = [logging.StreamHandler()] if sys.stderr else []
     path = None
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
-        path = log_dir / log_file_name(port)
+        path = log_dir / log_file_name(port, part)
         handlers.append(logging.handlers.RotatingFileHandler(
             path, maxBytes=MAX_BYTES, backupCount=BACKUPS, encoding="utf-8"))
     formatter = logging.Formatter(FORMAT)

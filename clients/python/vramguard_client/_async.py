@@ -70,7 +70,8 @@ class AsyncClient:
         self._proving = asyncio.Lock()
         self._http = httpx.AsyncClient(base_url=self.location.url,
                                        headers=headers_for(client_id), transport=transport,
-                                       timeout=timeout)
+                                       timeout=timeout,
+                                       trust_env=not self.location.local)
 
     @property
     def url(self) -> str:

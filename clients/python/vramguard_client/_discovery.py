@@ -11,6 +11,7 @@ itself decides them (without importing it):
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import stat
@@ -51,6 +52,14 @@ class ServerLocation:
     source: str
     token_file: Path
 
+    @property
+    def local(self) -> bool:
+        """Whether the appliance is on this computer (a loopback address, or found in a
+        running vramguard's instance file): then no proxy of the environment, or of
+        Windows' settings, is ever used to reach it (httpx ignores the system's exception
+        list, encode/httpx#1536, and a proxy cannot reach this computer's loopback)."""
+        return self.source in ("instance", "default") or is_loopback(urlsplit(self.url).hostname)
+
 
 def config_folder() -> Path:
     """vramguard's per-user config folder (what ``platformdirs.user_config_dir`` says)."""
@@ -85,6 +94,17 @@ def _port(value: Any) -> int | None:
     except (TypeError, ValueError):
         return None
     return port if 0 < port < 65536 else None
+
+
+def is_loopback(host: str | None) -> bool:
+    """Whether ``host`` names this computer's loopback (``localhost``, 127.0.0.0/8, ``::1``)."""
+    name = (host or "").strip("[]").lower()
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
 
 
 def url_for(host: str, port: int) -> str:

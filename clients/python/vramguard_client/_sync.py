@@ -59,7 +59,8 @@ class Client:
         self._proven: str | None = None  # the found appliance's URL, once it proved itself
         self._proving = threading.Lock()
         self._http = httpx.Client(base_url=self.location.url, headers=headers_for(client_id),
-                                  transport=transport, timeout=timeout)
+                                  transport=transport, timeout=timeout,
+                                  trust_env=not self.location.local)
 
     @property
     def url(self) -> str:

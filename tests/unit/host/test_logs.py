@@ -141,3 +141,25 @@ def test_servers_on_different_ports_log_to_different_files(tmp_path):
         root.setLevel(saved_level)
     assert default is not None and default.name == "vramguard.log"
     assert other is not None and other.name == "vramguard-8766.log"
+
+
+def test_a_windowed_launcher_logs_to_its_own_file_only(tmp_path, monkeypatch):
+    """No stderr (a windowed program): no stream handler to fail on every line, the file
+    ``vramguard-tray.log`` (with the port when it is not the default) has it all."""
+    monkeypatch.setattr("sys.stderr", None)
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        path = logs.setup_logging("info", tmp_path, part="tray")
+        assert path == tmp_path / "vramguard-tray.log"
+        assert all(isinstance(h, logging.FileHandler) for h in root.handlers)
+        logging.getLogger("vramguard.tray").info("a line of the launcher")
+        for handler in root.handlers:
+            handler.flush()
+        assert "a line of the launcher" in path.read_text()
+        assert logs.log_file_name(8780, "tray") == "vramguard-tray-8780.log"
+    finally:
+        for handler in root.handlers:
+            handler.close()
+        root.handlers[:] = handlers
+        root.setLevel(level)

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 from live_server import ROOT
 from PIL import Image
@@ -150,7 +151,7 @@ def test_an_exception_no_one_caught_is_logged_and_notified(monkeypatch, caplog):
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)
     monkeypatch.setattr(threading, "excepthook", threading.excepthook)
     said: list[str] = []
-    report_crashes(said.append)
+    report_crashes(said.append, Path("/home/me/.local/state/vramguard/vramguard-tray.log"))
 
     def broken() -> None:
         raise ValueError("a bug in a tray thread")
@@ -160,7 +161,7 @@ def test_an_exception_no_one_caught_is_logged_and_notified(monkeypatch, caplog):
         worker.start()
         worker.join(5)
     assert said == ["vramguard hit an unexpected problem (ValueError) and carried on. The "
-                    "details are in its log file."]
+                    "details are in /home/me/.local/state/vramguard/vramguard-tray.log."]
     assert "a bug in a tray thread" in caplog.text and "Traceback" in caplog.text
 
 

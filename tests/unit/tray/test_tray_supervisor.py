@@ -114,7 +114,8 @@ def test_a_start_failure_with_the_same_cause_twice_is_final(tmp_path):
 
 def launch(monkeypatch, tmp_path: Path, *extra: str) -> tuple[int, list[ServerOutput]]:
     """`vramguard run` with a stand-in server (it sleeps) and a stand-in tray that sends
-    its own process SIGTERM, as `kill` or a session's end does, and waits to be closed."""
+    its own process SIGTERM, as `kill` or a session's end does, and waits to be closed.
+    The launcher's log is in ``tmp_path / "logs"``."""
     from app.cli import process_control
     from app.cli.main import main
     from tray import app as tray_app
@@ -125,7 +126,8 @@ def launch(monkeypatch, tmp_path: Path, *extra: str) -> tuple[int, list[ServerOu
         servers.append(ServerOutput([sys.executable, "-c", "import time; time.sleep(60)"]))
         return servers[-1]
 
-    def tray(controller: TrayController) -> None:
+    def tray(controller: TrayController, log_file: Path | None) -> None:
+        assert log_file is not None and log_file.parent == tmp_path / "logs"
         assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None), \
             "SIGTERM would end the launcher and leave its server running"
         os.kill(os.getpid(), signal.SIGTERM)
@@ -135,6 +137,7 @@ def launch(monkeypatch, tmp_path: Path, *extra: str) -> tuple[int, list[ServerOu
         assert controller.stopped
 
     monkeypatch.setenv("VRAMGUARD_TOKEN_FILE", str(tmp_path / "admin-token"))
+    monkeypatch.setenv("VRAMGUARD_LOG_DIR", str(tmp_path / "logs"))
     monkeypatch.setattr(tray_app, "display_available", lambda: True)
     monkeypatch.setattr(tray_app, "run_tray", tray)
     monkeypatch.setattr(process_control, "ServerOutput", server)
@@ -148,6 +151,15 @@ def test_a_launcher_ended_by_sigterm_ends_the_server_it_started(monkeypatch, tmp
     status, servers = launch(monkeypatch, tmp_path)
     assert status == 0 and len(servers) == 1
     assert servers[0].process.poll() is not None
+
+
+def test_the_launcher_keeps_a_log_of_its_own(monkeypatch, tmp_path):
+    """Issue 27: a windowed launcher has no console; what it says, why it gave up and
+    its crashes go to vramguard-tray.log beside the server's log, never to the server's."""
+    launch(monkeypatch, tmp_path)
+    [log] = (tmp_path / "logs").glob("vramguard-tray-*.log")  # beside the server's, its own
+    text = log.read_text()
+    assert "tray, log" in text and "ending on signal" in text, text
 
 
 def test_keep_server_leaves_the_server_running(monkeypatch, tmp_path):
