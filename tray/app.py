@@ -22,7 +22,7 @@ from typing import Any
 from app.vocabulary import EMPTY_GPU_CACHE
 from tray.clicks import accept_clicks
 from tray.controller import TrayController
-from tray.text import MODELS_HEADING, SUPPORT_REPORT_ITEM, USE_PAGE_ITEM
+from tray.text import MODELS_HEADING, SUPPORT_REPORT_ITEM, USE_PAGE_ITEM, fit_notification
 
 log = logging.getLogger("vramguard.tray")
 REFRESH_S = 1.0
@@ -116,7 +116,7 @@ def _say(icon: Any, message: str) -> None:
         return
     log.info("tray: %s", message)  # in the launcher's log too: a notification is gone soon
     try:
-        icon.notify(message, "vramguard")
+        icon.notify(fit_notification(message), "vramguard")
     except Exception as exc:
         log.warning("tray: %s (could not show it as a notification: %s)", message, exc)
 

@@ -19,6 +19,19 @@ from app.vocabulary import (
 from tray.icon import Gauge
 
 TOOLTIP_LIMIT = 127  # Windows truncates tray tooltips beyond this
+NOTIFICATION_LIMIT = 255
+"""Characters a notification's text may have: Windows keeps 256 with the terminator
+(``szInfo``), and pystray raises ValueError beyond it, so the message never showed."""
+
+
+def fit_notification(message: str, limit: int = NOTIFICATION_LIMIT) -> str:
+    """``message``, cut at a word to ``limit`` characters with "…" when it is longer (the
+    whole of it goes to the tray's log)."""
+    if len(message) <= limit:
+        return message
+    cut = message[:limit - 1]
+    space = cut.rfind(" ")
+    return (cut[:space] if space > limit // 2 else cut).rstrip(" ,.;:") + "…"
 
 
 def _share(part: float, whole: float) -> float:

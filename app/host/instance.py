@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -33,6 +34,7 @@ else:
     import fcntl
 
 
+log = logging.getLogger("vramguard")
 PROBE_RETRIES = 4
 REPLACE_RETRIES = 5  # an antivirus scanning the new file holds it for a moment (Windows)
 START_TOLERANCE_S = 1.0
@@ -126,6 +128,18 @@ def _replace(source: str, target: Path) -> None:
             time.sleep(0.05 * 2**attempt)
 
 
+def _remove(path: Path) -> None:
+    """Path.unlink, tried again for a moment while another program holds the file."""
+    for attempt in range(REPLACE_RETRIES):
+        try:
+            path.unlink(missing_ok=True)
+            return
+        except PermissionError:
+            if attempt == REPLACE_RETRIES - 1:
+                raise
+            time.sleep(0.05 * 2**attempt)
+
+
 def start_time(pid: int) -> float | None:
     """When process ``pid`` started (seconds since the epoch), or None when there is none."""
     try:
@@ -200,11 +214,21 @@ class InstanceLock:
                 os.unlink(temporary)
 
     def release(self) -> None:
+        """Remove the description, then always unlock: on Windows another program that
+        has the file open (an antivirus, a second launch reading it) makes the removal
+        fail for a moment; it is tried again, then left (a stale description is read
+        only while the lock is held, so it misleads nobody), never raised past the
+        unlock, or the next server on this port would find the port taken."""
         if self._fd is not None:
-            self.info_path.unlink(missing_ok=True)
-            _unlock(self._fd)
-            os.close(self._fd)
-            self._fd = None
+            try:
+                _remove(self.info_path)
+            except OSError as exc:
+                log.warning("could not remove %s (%s); it is ignored once this server "
+                            "has ended", self.info_path, exc.strerror or exc)
+            finally:
+                _unlock(self._fd)
+                os.close(self._fd)
+                self._fd = None
 
 
 def is_held(folder: Path, port: int) -> bool:

@@ -232,3 +232,34 @@ def test_describing_the_lock_waits_out_an_antivirus(tmp_path, monkeypatch):
     assert lock.acquire("http://127.0.0.1:8765")
     assert len(refused) == 2 and lock.info_path.is_file()
     lock.release()
+
+
+def test_a_description_another_program_holds_open_never_keeps_the_lock(
+        tmp_path, monkeypatch, caplog):
+    """Issue 27: on Windows, removing a file another program has open raises
+    PermissionError (here a stand-in raises it: POSIX removes open files). It is tried
+    again, then logged; the lock is released whatever happens, so the next server on this
+    port can start."""
+    from pathlib import Path
+
+    lock = InstanceLock(tmp_path, 8765)
+    assert lock.acquire("http://127.0.0.1:8765")
+    tries: list[Path] = []
+    real_unlink = Path.unlink
+
+    def held_open(path: Path, missing_ok: bool = False) -> None:
+        if path == lock.info_path:
+            tries.append(path)
+            raise PermissionError(13, "The process cannot access the file because it is "
+                                      "being used by another process")
+        real_unlink(path, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", held_open)
+    with caplog.at_level("WARNING", logger="vramguard"):
+        lock.release()
+    assert len(tries) > 1 and "could not remove" in caplog.text
+    assert not is_held(tmp_path, 8765)
+    monkeypatch.undo()
+    following = InstanceLock(tmp_path, 8765)  # the next server on this port
+    assert following.acquire("http://127.0.0.1:8765")
+    following.release()

@@ -176,3 +176,88 @@ def test_the_windowed_program_logs_an_escaping_exception_instead_of_a_dialog(
     with caplog.at_level("ERROR", logger="vramguard"):
         assert app.cli.main.windowed_main([]) == 1
     assert "a bug before the tray started" in caplog.text and "Traceback" in caplog.text
+
+
+class WindowsLikeIcon:
+    """pystray's win32 notify as it behaves: the text goes into a 256-character field
+    (``szInfo``, with its terminator) and the title into a 64-character one; longer ones
+    raise ValueError and nothing is shown."""
+
+    HAS_NOTIFICATION = True
+
+    def __init__(self) -> None:
+        self.shown: list[str] = []
+
+    def notify(self, message: str, title: str) -> None:
+        if len(message) > 255 or len(title) > 63:
+            raise ValueError("string too long")
+        self.shown.append(message)
+
+
+def every_tray_message() -> list[str]:
+    """Each message the tray can show, its placeholders filled long: the constants of the
+    tray's modules, the crash notice, and the longest start failure (a reserved port)."""
+    import errno as errno_module
+    import socket
+
+    import tray.app
+    import tray.controller
+    import tray.text
+    from app.cli import process_control
+
+    fillers = {"path": "C:\\Users\\a.person.with.a.long.name\\Documents\\" + "x" * 60,
+               "name": "my-own-model-with-a-long-name-" + "y" * 34, "address": "[::1]:8765",
+               "size": "1023.9 MiB", "kind": "UnicodeDecodeError", "where": "C:\\" + "z" * 120}
+    messages = []
+    for module in (tray.text, tray.controller, tray.app):
+        for name, value in vars(module).items():
+            if name.isupper() and isinstance(value, str) and " " in value:
+                messages.append(value.format(**fillers))
+
+    class Reserved:
+        def __init__(self, *args: object) -> None:
+            pass
+
+        def __enter__(self) -> Reserved:
+            return self
+
+        def __exit__(self, *args: object) -> None:
+            pass
+
+        def setsockopt(self, *args: object) -> None:
+            pass
+
+        def bind(self, address: object) -> None:
+            raise OSError(errno_module.EACCES, "An attempt was made to access a socket in "
+                          "a way forbidden by its access permissions")
+
+    real = process_control.socket.socket
+    process_control.socket.socket = Reserved  # type: ignore[misc, assignment]
+    try:
+        reserved = process_control._port_problem("127.0.0.1", 8765)
+    finally:
+        process_control.socket.socket = real  # type: ignore[misc]
+    assert reserved is not None and len(reserved) > 300  # the message of the issue
+    messages.append(f"vramguard could not start: {reserved}")
+    assert socket.socket is real
+    return messages
+
+
+def test_every_notification_fits_what_windows_shows(caplog):
+    """Issue 27: the reserved-port message (about 385 characters) raised ValueError in
+    pystray and never showed. Every message is cut at a word to fit; the log keeps it
+    whole."""
+    from tray.app import _say
+
+    messages = every_tray_message()
+    assert len(messages) >= 10
+    icon = WindowsLikeIcon()
+    with caplog.at_level("INFO", logger="vramguard.tray"):
+        for message in messages:
+            _say(icon, message)
+    assert len(icon.shown) == len(messages)
+    for message, shown in zip(messages, icon.shown, strict=True):
+        assert shown == message or (shown.endswith("…") and
+                                    message.startswith(shown[:-1]) and len(shown) > 200)
+    assert any(shown.endswith("…") for shown in icon.shown)
+    assert all(message in caplog.text for message in messages)
