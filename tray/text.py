@@ -103,7 +103,9 @@ def menu_lines(sample: LiveSample | None) -> list[str]:
         lines.append(f"Possible leak: {human_bytes(sample.leak_growth_bytes)} more kept "
                      "than at start")
     if sample.cpu_instead_of_gpu:
-        lines.append("Using the CPU: this GPU is too old for this version")
+        lines.append("Using the CPU: update the NVIDIA driver" if "driver" in
+                     sample.cpu_instead_of_gpu else
+                     "Using the CPU: this GPU is too old for this version")
     if sample.paused:
         lines.append("Paused: images are refused until you resume")
     return lines

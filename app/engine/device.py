@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 
 import torch
 
@@ -44,12 +45,37 @@ def unsupported_gpu(index: int) -> str | None:
             f"NVIDIA GPUs with {covered}")
 
 
-def cpu_fallback_reason(setting: str) -> str | None:
+def nvml_driver_version() -> str | None:
+    """The NVIDIA driver's version as NVML reads it; None without a driver."""
+    from app.memory.nvml import Nvml
+
+    nvml = Nvml.open()
+    return nvml.driver_version() if nvml else None
+
+
+def cpu_fallback_reason(setting: str,
+                        driver_version: Callable[[], str | None] = nvml_driver_version
+                        ) -> str | None:
     """Why `auto` runs on the CPU although an NVIDIA GPU is there (None otherwise): shown
-    by the tray and the dashboard, so a user with an old card knows it was not forgotten."""
-    if setting != "auto" or not torch.cuda.is_available():
+    by the tray and the dashboard, so a user with an old card, or an old driver (CUDA
+    then says only that no GPU is available), knows it was not forgotten."""
+    if setting != "auto":
         return None
-    return unsupported_gpu(0)
+    if torch.cuda.is_available():
+        return unsupported_gpu(0)
+    version = driver_version()  # a driver is there, too old for this CUDA: say so
+    if version is None:
+        return None
+    needed = needed_driver(torch.version.cuda)
+    try:
+        found = int(version.split(".")[0])
+    except ValueError:
+        return None
+    if needed is None or found >= needed:
+        return None
+    return (f"the NVIDIA driver {version} is too old for this build of vramguard, which "
+            f"needs {needed} or newer (CUDA {torch.version.cuda}); update it from "
+            "https://www.nvidia.com/drivers and start vramguard again")
 
 
 def resolve_device(setting: str) -> torch.device:
@@ -89,10 +115,15 @@ SYSMEM_FALLBACK_ADVICE = (
     "Manage 3D settings > CUDA - Sysmem Fallback Policy > Prefer No Sysmem Fallback")
 
 
+def needed_driver(cuda_version: str | None) -> int | None:
+    """The oldest driver (major version) that runs this CUDA; None when unknown."""
+    major = int(cuda_version.split(".")[0]) if cuda_version else None
+    return MIN_DRIVER.get(major) if major else None
+
+
 def driver_verdict(driver_version: str, cuda_version: str | None) -> tuple[str, bool]:
     """The driver's version against what this torch build's CUDA needs: (text, ok)."""
-    major = int(cuda_version.split(".")[0]) if cuda_version else None
-    needed = MIN_DRIVER.get(major) if major else None
+    needed = needed_driver(cuda_version)
     try:
         found = int(driver_version.split(".")[0])
     except ValueError:

@@ -76,3 +76,23 @@ def test_the_engine_reports_why_it_runs_on_the_cpu_and_the_tray_shows_it(monkeyp
     assert "Using the CPU: this GPU is too old for this version" in shown
     gpu(monkeypatch, (8, 9), CU130)
     assert InferenceEngine(make_settings(tmp_path, device="auto")).cpu_instead_of_gpu is None
+
+
+def test_a_driver_too_old_for_cuda_is_the_reason_and_the_tray_says_so(monkeypatch):
+    """Issue 27: a driver older than 580 makes CUDA 13 say only that no GPU is available;
+    the fallback was silent outside `doctor`. The reason now says it, and the tray's line
+    asks for a driver update."""
+    from samples import sample
+
+    from app.engine.device import cpu_fallback_reason
+    from tray.text import menu_lines
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    reason = cpu_fallback_reason("auto", driver_version=lambda: "572.16")
+    assert reason is not None and "572.16" in reason and "580 or newer" in reason
+    assert "Using the CPU: update the NVIDIA driver" in menu_lines(
+        sample(cpu_instead_of_gpu=reason))
+    assert cpu_fallback_reason("auto", driver_version=lambda: "581.29") is None
+    assert cpu_fallback_reason("auto", driver_version=lambda: None) is None  # no GPU at all
+    assert cpu_fallback_reason("cpu", driver_version=lambda: "572.16") is None  # as asked
