@@ -47,6 +47,7 @@ SHUTDOWN_MARGIN_S = 5  # after the last deadline: decoding and a batch still run
 STARTUP_FAILURE = 3  # uvicorn's own exit status when the server could not start
 STOP_GRACE_S = 10  # after the stop request is answered, or for a tray to follow its server
 STARTING_WAIT_S = 15  # a second launch waits this long for a server still starting
+LAUNCHER_GRACE_S = 5.0  # after its server has gone, for the tray to quit by itself
 
 
 def _url(settings: Settings) -> str:
@@ -416,16 +417,19 @@ def _stop_one(instance: RunningInstance, folder: Path, token_file: Path,
     def server_done() -> bool:
         return _gone(server) and not is_held(folder, instance.port)
 
-    # The launcher first: a tray still supervising would restart a server that has to be
-    # ended (on Windows that exit is status 15, not 0), and the restart holds the files
-    # the installer must replace. Ended, the launcher lets its server finish the queue.
-    _end(launcher, lambda: _gone(launcher), timeout_s + STOP_GRACE_S)
-    if launcher is not None and not _gone(launcher):
-        with contextlib.suppress(psutil.Error):
-            launcher.kill()
-        _wait(lambda: _gone(launcher), STOP_GRACE_S)
+    # The server first, then the launcher: its tray sees its server end after the stop
+    # request (the marker above: even an ended server, status 15 on Windows, is not
+    # restarted) and quits by itself, taking its icon away. Ending the launcher first
+    # (TerminateProcess on Windows) left a ghost icon in the tray. Only a launcher that
+    # has not quit within LAUNCHER_GRACE_S is ended, then killed.
     if not _wait(server_done, timeout_s):
         _end(server, server_done)
+    if launcher is not None and not _wait(lambda: _gone(launcher), LAUNCHER_GRACE_S):
+        _end(launcher, lambda: _gone(launcher))
+        if not _gone(launcher):
+            with contextlib.suppress(psutil.Error):
+                launcher.kill()
+            _wait(lambda: _gone(launcher), STOP_GRACE_S)
     return server_done() and _gone(launcher)
 
 

@@ -164,14 +164,39 @@ def test_stop_never_signals_a_reused_pid(tmp_path, monkeypatch, capsys, bystande
     capsys.readouterr()
 
 
-def test_stop_ends_the_launcher_before_the_server(tmp_path, monkeypatch, capsys, bystander):
-    """A tray still supervising would restart a server that `stop` has to end (on Windows
-    with exit status 15): the launcher goes first, and a stop request is left for it."""
+FOLLOWER = """
+import sys, time, psutil
+server = psutil.Process(int(sys.argv[1]))
+print("following", flush=True)
+while server.is_running() and server.status() != psutil.STATUS_ZOMBIE:
+    time.sleep(0.05)
+"""
+
+
+def follower(server_pid: int) -> subprocess.Popen[str]:
+    """A launcher whose tray quits by itself once its server has gone, as the real one
+    does after a stop."""
+    process = subprocess.Popen([sys.executable, "-c", FOLLOWER, str(server_pid)],
+                               stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None and process.stdout.readline().strip() == "following"
+    return process
+
+
+@pytest.mark.parametrize("quits_by_itself", [True, False])
+def test_stop_ends_the_server_first_and_the_launcher_only_if_it_stays(
+        tmp_path, monkeypatch, capsys, bystander, quits_by_itself):
+    """Issue 27: ending the launcher first (TerminateProcess on Windows) left a ghost
+    icon. The server goes first, a stop request left for its tray, which then quits by
+    itself; a launcher still there after the grace is ended, after the server."""
+    from app.cli import process_control
+
     token_file = tmp_path / "config" / "admin-token"
     monkeypatch.setenv("VRAMGUARD_TOKEN_FILE", str(token_file))
+    monkeypatch.setattr(process_control, "LAUNCHER_GRACE_S", 1.0)
     folder = instance_folder(token_file)
     port = free_port()
     holder = hold(folder, port)
+    launcher = follower(holder.pid) if quits_by_itself else bystander
     ended: list[int] = []
     terminate = psutil.Process.terminate
 
@@ -181,14 +206,18 @@ def test_stop_ends_the_launcher_before_the_server(tmp_path, monkeypatch, capsys,
 
     monkeypatch.setattr(psutil.Process, "terminate", recording)
     try:
-        describe(folder, port, launcher_pid=bystander.pid,
-                 launcher_started=psutil.Process(bystander.pid).create_time())
+        describe(folder, port, launcher_pid=launcher.pid,
+                 launcher_started=psutil.Process(launcher.pid).create_time())
         assert main(["stop", "--port", str(port), "--timeout-s", "1"]) == 0
-        assert ended == [bystander.pid, holder.pid]
+        assert ended == ([holder.pid] if quits_by_itself else [holder.pid, bystander.pid])
+        assert launcher.wait(5) is not None
         assert stop_requested(folder, port, since=time.time() - 60)
     finally:
         holder.kill()
         holder.wait()
+        if launcher is not bystander:
+            launcher.kill()
+            launcher.wait()
     capsys.readouterr()
 
 
