@@ -115,8 +115,9 @@ class ApiClient:
                                "vramguard is not running there (or it uses another "
                                "admin-token file). Nothing was sent to it.")
 
-    def _proven_token(self) -> str:
-        """The admin token, once the server on the port has proved it knows it."""
+    def proven_token(self) -> str:
+        """The admin token, once the server on the port has proved it knows it (what admin
+        calls send, and the event stream for its kept slot)."""
         token = self._token()
         self._prove(token)
         return token
@@ -127,7 +128,7 @@ class ApiClient:
         for this call."""
         headers = {}
         if admin:
-            token = self._proven_token()
+            token = self.proven_token()
         if token is not None:
             headers["Authorization"] = f"Bearer {token}"
         response = self._checked(self._request(method, path, headers=headers))
@@ -154,7 +155,7 @@ class ApiClient:
 
     def support_report(self) -> bytes:
         """The support report's zip file (``/v1/support-report``), from the proven server."""
-        headers = {"Authorization": f"Bearer {self._proven_token()}"}
+        headers = {"Authorization": f"Bearer {self.proven_token()}"}
         response = self._checked(self._request("GET", "/v1/support-report", headers=headers,
                                                timeout=60))
         if response.headers.get("content-type") != "application/zip":
@@ -166,7 +167,7 @@ class ApiClient:
         /v1/memory and /v1/stats: the same fields as a live event's. On a server that asks
         for an API key, with the proven admin token in its place."""
         try:
-            token = self._proven_token() if self.keyed else None
+            token = self.proven_token() if self.keyed else None
             memory = MemoryReport.model_validate(self._call("GET", "/v1/memory", token=token))
             stats = StatsResponse.model_validate(self._call("GET", "/v1/stats", token=token))
         except Refused as exc:

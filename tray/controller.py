@@ -88,8 +88,19 @@ class TrayController:
     def follow(self) -> None:
         """Follow the server's event stream from now on instead of polling it."""
         if self._stream is None:
-            self._stream = EventStream(self.client.base_url, self)
+            self._stream = EventStream(self.client.base_url, self, self._stream_token)
             self._stream.start()
+
+    def _stream_token(self) -> str | None:
+        """The admin token for the next connection of the event stream, which keeps the
+        tray a live-view slot, once the server on the port has proved it knows it; None
+        when it cannot (down, busy, not ours, no readable token file): the stream then
+        goes without, as any program, rather than give the token to the unproven."""
+        try:
+            return self.client.proven_token()
+        except (ServerDown, NotVramguard, RuntimeError) as exc:
+            log.debug("the event stream goes without the admin token: %s", exc)
+            return None
 
     def stop_following(self) -> None:
         """End the stream's thread (the tray is quitting); wakes ``wait_for_news``."""

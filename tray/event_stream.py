@@ -7,6 +7,12 @@ back-off (1, 2, 5, 10 s; from the start once the server accepts the stream). A
 stream the server refuses with an HTTP error (too many live views open, rate
 limited) sets ``refused``: the listener polls meanwhile, and the stream is tried
 again later.
+
+Each connection carries the admin token when ``credentials`` gives one, asked anew
+before each: the server keeps a live-view slot for its holder, so a program that opens
+streams under ever new client ids cannot push the tray back to polling. What gives it
+(the controller) gives only a token the server has just proved it knows, else None: the
+stream then goes without, competing for the open slots like any program.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import logging
 import re
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -121,13 +128,18 @@ class EventStream:
     """Follows the stream from ``start()`` until ``stop()``, on its own connection."""
 
     def __init__(self, base_url: str, listener: Listener,
+                 credentials: Callable[[], str | None],
                  read_timeout_s: float = READ_TIMEOUT_S) -> None:
         self.listener = listener
+        self.credentials = credentials  # the proven admin token for the next connection
         self.refused = False  # the server answered the stream with an error: poll instead
         self.read_timeout_s = read_timeout_s
+        # trust_env=False: straight to the server, never through a proxy of the environment
+        # (which would get the admin token; httpx ignores the exceptions for 127.0.0.1).
         self._http = httpx.Client(
             base_url=base_url, timeout=httpx.Timeout(CONNECT_TIMEOUT_S, read=read_timeout_s),
-            headers={"X-Client-Id": "vramguard-tray", "Accept": "text/event-stream"})
+            headers={"X-Client-Id": "vramguard-tray", "Accept": "text/event-stream"},
+            trust_env=False)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._socket: socket.socket | None = None
@@ -162,8 +174,10 @@ class EventStream:
         asked the tray to wait before the next)."""
         parser = SseParser()
         accepted = False
+        token = self.credentials()
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
         try:
-            with self._http.stream("GET", "/v1/events") as response:
+            with self._http.stream("GET", "/v1/events", headers=headers) as response:
                 if not response.is_success:
                     self.refused = True
                     return False, retry_after(response)

@@ -16,9 +16,9 @@ Authorization holds one value, and admin calls need the admin token there, so th
 token and dashboard sessions (given only to holders of that token) are accepted in place
 of the key: they are stronger secrets held by the server's own operator. The tray sends
 the admin token with its readings once one gets 401 (after the server has proved it
-holds that token); its live stream and the dashboard page cannot send a header
-(``EventSource``) and are refused: the tray polls instead, and for the dashboard watch
-``/metrics`` (with the key).
+holds that token); its live stream sends that token too, so it follows the stream; the
+dashboard page cannot be opened (a browser's navigation sends no header): watch
+``/metrics`` (with the key) instead.
 
 The file is read once, when the app is built: a change needs a restart. A file that is
 missing, empty, shorter than ``MIN_KEY_CHARS``, not one line of printable characters, or

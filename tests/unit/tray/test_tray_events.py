@@ -1,6 +1,7 @@
 """The tray follows the server's event stream: the SSE parser, the back-off, a state
-event that recolours at once, a silent or absent server (against real servers:
-live/test_tray_events_live.py)."""
+event that recolours at once, a silent or absent server, the admin token on the stream
+only for a server that proved it knows it (against real servers:
+live/test_tray_events_live.py, live/test_event_slots_live.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ from contextlib import contextmanager
 import pytest
 from live_server import free_port
 from samples import sample
+from squatter import Squatter, knowing
 from tray_follow import assert_no_stream_left, follow_until, polls, stream_threads, tray_for
 
+from app.host.token_file import load_or_create_token
 from app.http.live_feed import LiveFeed
 from tray.event_stream import Backoff, Event, EventStream, SseParser, deliver
 from tray.icon import COLOURS
@@ -156,7 +159,7 @@ def test_a_silent_stream_is_noticed_and_retried(tmp_path, no_stream_left):
         tray, _ = tray_for(url, tmp_path)
         tray.stream_sample(sample())
         assert tray.status == "running"
-        stream = EventStream(url, tray, read_timeout_s=0.3)
+        stream = EventStream(url, tray, lambda: None, read_timeout_s=0.3)
         stream.start()
         try:
             wait_until(lambda: tray.down, 10)
@@ -170,7 +173,7 @@ def test_stop_ends_a_stream_that_waits_for_news(tmp_path, no_stream_left):
     retry = b"retry: 2000\n\n"
     with silent_server(HEADERS + b"%x\r\n%s\r\n" % (len(retry), retry)) as (url, accepted):
         tray, _ = tray_for(url, tmp_path)
-        stream = EventStream(url, tray, read_timeout_s=60)
+        stream = EventStream(url, tray, lambda: None, read_timeout_s=60)
         stream.start()
         wait_until(lambda: bool(accepted), 10)
         time.sleep(0.2)  # let it block in its read
@@ -190,3 +193,69 @@ def test_a_refusal_without_a_server_that_answers_means_polling(tmp_path, no_stre
             assert tray.down  # its polls fail too: this peer only refuses
         finally:
             tray.stop_following()
+
+
+def test_each_connection_sends_the_token_the_credentials_give_for_it(tmp_path, no_stream_left):
+    """Asked anew before each connection: a token goes as the Bearer header, None as no
+    Authorization header at all."""
+    given = iter(["first-token", None, "second-token"])
+    with Squatter() as peer:  # answers the stream with JSON: it ends, and is tried again
+        tray, _ = tray_for(peer.url, tmp_path)
+        stream = EventStream(peer.url, tray, lambda: next(given, None))
+        stream.start()
+        try:
+            wait_until(lambda: len(peer.received) >= 3, 10)
+        finally:
+            stream.stop()
+    sent = [r.headers.get("authorization") for r in peer.received[:3]]
+    assert sent == ["Bearer first-token", None, "Bearer second-token"]
+    assert peer.paths()[:3] == ["/v1/events"] * 3
+
+
+def follow_once(tray, peer: Squatter) -> None:
+    """Follow ``peer`` until the stream has asked it for events once."""
+    tray.follow()
+    try:
+        wait_until(lambda: "/v1/events" in peer.paths(), 10)
+    finally:
+        tray.stop_following()
+        tray.client.close()
+
+
+def test_the_tray_sends_its_token_on_the_stream_only_to_a_server_that_proves_it(
+        tmp_path, no_stream_left):
+    token = load_or_create_token(tmp_path / "token")
+    with Squatter(knowing(token)) as ours, Squatter() as squatter:
+        for peer in (ours, squatter):
+            follow_once(tray_for(peer.url, tmp_path)[0], peer)
+    assert ours.paths()[:2] == ["/v1/identity", "/v1/events"]
+    assert ours.received[1].headers.get("authorization") == f"Bearer {token}"
+    assert squatter.paths()[:2] == ["/v1/identity", "/v1/events"]  # asked, failed the proof
+    assert squatter.with_token() == []  # and the stream went without
+
+
+def test_without_a_readable_token_file_the_stream_goes_without(tmp_path, no_stream_left):
+    (tmp_path / "token").mkdir()  # the token file cannot be read
+    with Squatter(knowing("a token the tray cannot read")) as peer:
+        follow_once(tray_for(peer.url, tmp_path)[0], peer)
+    assert peer.paths()[0] == "/v1/events" and peer.with_token() == []
+
+
+def test_the_stream_goes_to_the_server_not_through_a_proxy_of_the_environment(
+        tmp_path, monkeypatch, no_stream_left):
+    """A proxy named in the environment is not asked to carry the stream: it would get the
+    admin token with it."""
+    token = load_or_create_token(tmp_path / "token")
+    with Squatter(knowing(token)) as ours, Squatter() as proxy:
+        for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+            monkeypatch.setenv(name, proxy.url)
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        monkeypatch.delenv("no_proxy", raising=False)
+        stream = EventStream(ours.url, tray_for(ours.url, tmp_path)[0], lambda: token)
+        stream.start()
+        try:
+            wait_until(lambda: bool(ours.received or proxy.received), 10)
+        finally:
+            stream.stop()
+    assert proxy.with_token() == [] and proxy.received == []
+    assert ours.paths()[0] == "/v1/events" and ours.with_token()
