@@ -15,6 +15,7 @@ from app.api.image_flow import (
     TopK,
     serve_image,
 )
+from app.api.keep_alive import HEADER_DOC
 from app.engine.predictor import CLASSIFY, MULTILABEL
 from app.schemas import ClassifyResponse, ErrorResponse, PredictionOut
 
@@ -24,7 +25,8 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
-@router.post("/v1/classify", response_model=ClassifyResponse, responses=ERRORS,
+@router.post("/v1/classify", response_model=ClassifyResponse,
+             responses={**ERRORS, 200: {"headers": HEADER_DOC}},
              openapi_extra=BODY_DOC, summary="Classify one image")
 async def classify(
     request: Request,

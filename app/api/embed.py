@@ -12,13 +12,15 @@ from fastapi import APIRouter, Request
 
 from app.api.classify import ERRORS
 from app.api.image_flow import BODY_DOC, KeepAlive, ModelQuery, serve_image
+from app.api.keep_alive import HEADER_DOC
 from app.engine.predictor import EMBED
 from app.schemas import EmbedResponse
 
 router = APIRouter()
 
 
-@router.post("/v1/embed", response_model=EmbedResponse, responses=ERRORS,
+@router.post("/v1/embed", response_model=EmbedResponse,
+             responses={**ERRORS, 200: {"headers": HEADER_DOC}},
              openapi_extra=BODY_DOC, summary="Image features for similarity search")
 async def embed(
     request: Request,

@@ -30,6 +30,10 @@ from app.http.state import state_of
 HEADER = "X-Vramguard-Keep-Alive"
 _REPLY = "vramguard.keep_alive_reply"  # in the scope: the answer's headers, for HEADER
 MAX_ASKED_S = 86400 * 365
+HEADER_DOC = {HEADER: {"description": "Only when the request's keep_alive was not done as "
+                       "asked: \"ignored; …\" or \"capped; …\", and why.",
+                       "schema": {"type": "string"}}}
+"""The header in the OpenAPI document of each route that takes ``keep_alive``."""
 
 
 @dataclass(frozen=True)

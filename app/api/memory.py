@@ -66,7 +66,8 @@ async def reset_peak(request: Request) -> dict[str, int]:
     return {"peak_allocated_before_bytes": before, "peak_allocated_after_bytes": after}
 
 
-@admin.post("/v1/memory/record-history", summary="Record allocator history (admin, GPU only)")
+@admin.post("/v1/memory/record-history", responses={403: {"model": ErrorResponse}},
+           summary="Record allocator history (admin, GPU only)")
 async def record_history(request: Request,
                          seconds: Annotated[float, Query(gt=0, le=300)] = 10) -> dict[str, Any]:
     """Record CUDA allocations (the newest 50,000, with Python stacks) for ``seconds`` and

@@ -69,6 +69,7 @@ async def models(request: Request) -> ModelsResponse:
 
 
 @admin.post("/v1/models/{name}/load", response_model=ModelOut,
+            responses={code: {"model": ErrorResponse} for code in (403, 422)},
             summary="Load a model now and keep it until unloaded (admin)")
 async def load(request: Request, name: ModelName) -> ModelOut:
     state = state_of(request)

@@ -64,7 +64,8 @@ INFER_DOC = {
                 "properties": {
                     "id": {"type": "string"},
                     "parameters": {"type": "object"},
-                    "inputs": {"type": "array", "items": {
+                    # exactly one: the images (IMAGE) or their pixels (PIXELS)
+                    "inputs": {"type": "array", "minItems": 1, "maxItems": 1, "items": {
                         "type": "object", "required": ["name", "datatype", "shape"],
                         "properties": {"name": {"type": "string", "enum": [IMAGE, PIXELS]},
                                        "datatype": {"type": "string", "enum": [BYTES, FP32]},

@@ -68,7 +68,7 @@ from app.api.image_flow import (
     find_model_asked,
     serve_in_place,
 )
-from app.api.keep_alive import HEADER, caller_of, note_text
+from app.api.keep_alive import HEADER, HEADER_DOC, caller_of, note_text
 from app.api.multipart_reader import MultipartReader, Part, boundary_of
 from app.api.stream_lines import NDJSON, SSE, LineWriter, error_line
 from app.engine.lanes import Reservation
@@ -110,8 +110,13 @@ requests) get the lines at the end: send a few thousand images per request."""
 LINES = {"type": "object", "description": "One JSON object per image (completion order), "
          "then a summary; see the route's description."}
 STREAM_RESPONSES: dict[int | str, dict[str, Any]] = {
-    **ERRORS,
+    # A refusal before the stream has begun is plain JSON, not a line: named as such (a
+    # ``model`` here would be documented under the route's own stream media type).
+    **{code: {"description": "Refused before the first line",
+              "content": {"application/json": {"schema": {
+                  "$ref": "#/components/schemas/ErrorResponse"}}}} for code in ERRORS},
     200: {"description": "One line per image as each is done, then a summary.",
+          "headers": HEADER_DOC,
           "content": {NDJSON: {"schema": LINES}, SSE: {"schema": {"type": "string"}}}},
 }
 

@@ -13,6 +13,7 @@ from pydantic import BaseModel
 from app.errors import Unauthorized
 from app.gates.admin_token import require_admin
 from app.http.state import state_of
+from app.schemas import ErrorResponse
 
 router = APIRouter()
 PAGE = Path(__file__).parent.parent / "ui" / "dashboard.html"
@@ -42,6 +43,7 @@ async def dashboard() -> HTMLResponse:
 
 
 @router.post("/v1/admin/ui-link", dependencies=[Depends(require_admin)],
+             responses={code: {"model": ErrorResponse} for code in (401, 403)},
              summary="A one-time code (and link) that opens the dashboard with the tray "
              "menu's actions (admin token only)")
 async def ui_link(request: Request) -> dict[str, str]:
@@ -51,7 +53,8 @@ async def ui_link(request: Request) -> dict[str, str]:
     return {"code": code, "url": f"{str(request.base_url).rstrip('/')}/ui#code={code}"}
 
 
-@router.post("/v1/ui/session", summary="Trade a one-time code for a dashboard session")
+@router.post("/v1/ui/session", responses={401: {"model": ErrorResponse}},
+             summary="Trade a one-time code for a dashboard session")
 async def ui_session(request: Request, body: Code) -> dict[str, str]:
     token = state_of(request).ui_sessions.redeem(body.code)
     if token is None:

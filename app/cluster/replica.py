@@ -6,7 +6,8 @@ puts them in a Serve deployment).
   gates, JSON errors and status codes. The proxy spreads requests over the replicas, so a
   route whose answer belongs to one process (admin calls, /v1/events, /ui, /v1/memory,
   /v1/stats, /metrics, the identity and dashboard handshakes) would answer for a random
-  replica: through the proxy it gets a 404 JSON error naming the replica's own port.
+  replica: through the proxy it gets a 404 JSON error saying how replicas' ports are
+  chosen (``replica_port`` plus the rank on the node), never the answering one's address.
 - The replica's own port (``side_port``: ``replica_port`` plus the replica's rank on its
   node, on ``host``) serves those per-process routes, /metrics for Prometheus to scrape
   each replica directly, and the read-only public ones (health, /v1/models: what this

@@ -51,7 +51,8 @@ inference routes and the health checks; each replica serves its own routes (admi
 ports are deterministic, so Prometheus's scrape config lists them from the Serve config
 alone: ``replica_port`` .. ``replica_port + replicas per node - 1`` on every node. Each
 replica also logs its address ("replica N serves its own routes ... at URL"), and the
-404 that the proxy answers for such a route names the port of the replica that answered.
+404 that the proxy answers for such a route says how those ports are chosen (never the
+address of the replica that answered: anyone who reaches the proxy reads it).
 Metrics carry a ``replica`` label: the replica's rank in the deployment (0 .. N-1, reused
 by a replacement, so a replaced replica continues its series).
 

@@ -29,6 +29,7 @@ from app.gates.request_metrics import MetricsMiddleware
 from app.gates.ui_session import UiSessions
 from app.gates.upload_deadline import UploadPace
 from app.host.token_file import AdminToken, load_or_create_token
+from app.http import openapi_doc
 from app.http.live_feed import LiveFeed
 from app.http.state import AppState
 from app.http.stats import RequestStats
@@ -237,4 +238,5 @@ def app_over(state: AppState, *, port: int | None = None, runs_lifespan: bool = 
     for router in ROUTERS:
         app.include_router(router)
     install_error_handlers(app)
+    openapi_doc.install(app)
     return app

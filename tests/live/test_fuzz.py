@@ -1,7 +1,9 @@
 """Property-based fuzzing of the whole OpenAPI surface (schemathesis + hypothesis), with
 valid and invalid inputs: no generated request may cause a 5xx other than the documented
-503s (busy, not ready, paused, out of memory), and every error is the documented JSON
-shape.
+503s (busy, not ready, paused, out of memory), every error is the documented JSON
+shape, and every answer conforms to the document: its status is one the operation
+documents, its content type one documented for that status, its headers and body valid
+against the schema (the session's server has no rate limit, so no 429 is answered).
 
 schemathesis's own pytest plugin does not work with pytest 9, so the operations are
 driven with hypothesis directly.
@@ -12,12 +14,22 @@ from __future__ import annotations
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_headers_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+CONFORMANCE = [status_code_conformance, content_type_conformance,
+               response_headers_conformance, response_schema_conformance]
 
 
 def check(case) -> None:
     response = case.call(timeout=60)
     assert response.status_code < 500 or response.status_code == 503, (
         f"{case.method} {case.formatted_path} -> {response.status_code}: {response.text[:300]}")
+    case.validate_response(response, checks=CONFORMANCE)
     if response.status_code >= 400:
         body = response.json()
         assert set(body) == {"error"}
