@@ -8,50 +8,17 @@ The rule on the server: ``tests/live/test_event_slots_live.py``."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
-from browser import require_chromium
+from browser import require_chromium, wait_until
 from live_server import LiveServer, live_server
+from live_views import open_slots_taken
 
 from app.http.live_feed import MAX_SUBSCRIBERS
 
 require_chromium()
-
-
-def wait_until(predicate: Any, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.2)
-
-
-@contextmanager
-def open_slots_taken(server: LiveServer) -> Iterator[int]:
-    """Streams opened, each as a client of its own, until the server refuses one more;
-    closed at the end. Yields how many it holds."""
-    with httpx.Client(base_url=server.url, timeout=10) as client:
-        views: list[httpx.Response] = []
-        try:
-            for i in range(2 * MAX_SUBSCRIBERS):
-                request = client.build_request("GET", "/v1/events",
-                                               headers={"X-Client-Id": f"viewer-{i}"})
-                response = client.send(request, stream=True)
-                if response.status_code == 503:
-                    response.close()
-                    break
-                views.append(response)
-            else:
-                pytest.fail("the server never refused a stream")
-            yield len(views)
-        finally:
-            for response in views:
-                response.close()
 
 
 def points(browser: Any) -> int:
@@ -62,7 +29,7 @@ def points(browser: Any) -> int:
 def test_the_signed_in_dashboard_keeps_its_live_view_with_every_open_slot_taken(
         tmp_path: Path, browser: Any) -> None:
     with live_server(tmp_path, "--no-cache") as server:
-        with open_slots_taken(server) as held:
+        with open_slots_taken(server.url) as held:
             assert held < MAX_SUBSCRIBERS  # the kept slots are all that is left
             link = httpx.post(f"{server.url}/v1/admin/ui-link",
                               headers=server.admin()).json()["url"]

@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
-from browser import require_chromium
+from browser import require_chromium, wait_until
 from images import DATA, photo
 from live_server import LiveServer, live_server
 
@@ -27,13 +27,6 @@ DOCS = Path(__file__).resolve().parents[2] / "docs"
 MODELS = ("efficientnet_lite0", "efficientnet_lite1")
 
 require_chromium()
-
-
-def wait_until(predicate: Any, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.2)
 
 
 def colour_pixels(browser: Any, canvas: str, rgb: tuple[int, int, int]) -> int:

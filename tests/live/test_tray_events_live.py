@@ -5,15 +5,12 @@ stand-in peers: unit/tray/test_tray_events.py)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
 
-import httpx
 import live_server as live_server_module
 import pytest
 from live_server import free_port, live_server
+from live_views import open_slots_taken
 from tray_follow import assert_no_stream_left, follow_until, polls, tray_for
-
-from app.http.live_feed import MAX_SUBSCRIBERS
 
 
 @pytest.fixture
@@ -41,34 +38,11 @@ def test_follows_the_stream_without_polling(server, tmp_path, no_stream_left):
         tray.stop_following()
 
 
-@contextmanager
-def full_hub(url: str) -> Iterator[None]:
-    """Open live views, each as a client of its own (one client may hold only a few),
-    until the server refuses one more."""
-    with httpx.Client(base_url=url, timeout=10) as client:
-        views: list[httpx.Response] = []
-        try:
-            for i in range(2 * MAX_SUBSCRIBERS):
-                request = client.build_request("GET", "/v1/events",
-                                               headers={"X-Client-Id": f"viewer-{i}"})
-                response = client.send(request, stream=True)
-                if response.status_code == 503:
-                    response.close()
-                    break
-                views.append(response)
-            else:
-                pytest.fail("the server never refused a stream")
-            yield
-        finally:
-            for response in views:
-                response.close()
-
-
 def test_a_refused_stream_falls_back_to_polling_then_follows_again(server, tmp_path,
                                                                    no_stream_left):
     tray, _ = tray_for(server.url, tmp_path)
     try:
-        with full_hub(server.url):
+        with open_slots_taken(server.url):
             tray.follow()
             woken = follow_until(tray, lambda news: polls(tray) >= 3, 15)
             assert woken == 0  # nothing came over the stream

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
@@ -64,3 +65,11 @@ def another_site(tmp_path: Path) -> Iterator[tuple[Path, str]]:
     finally:
         site.shutdown()
         site.server_close()
+
+
+def wait_until(predicate: Any, timeout: float = 30.0) -> None:
+    """Poll ``predicate`` (a page's state) every 0.2 s until it holds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.2)
