@@ -29,6 +29,7 @@ from urllib.parse import urlparse
 
 from PIL import Image
 
+from app.host.exit_status import GPU_LOST, STARTUP_FAILURE
 from app.host.instance import instance_folder, stop_requested
 from app.schemas import GuardState, LiveSample
 from app.units import human_bytes
@@ -38,7 +39,10 @@ from tray.event_stream import EventStream
 from tray.icon import draw_icon
 from tray.support_report import downloads_folder, save_report
 from tray.text import (
+    GPU_RESTARTED,
     READY,
+    STARTING_NOTICE,
+    STILL_STARTING,
     SUPPORT_REPORT_SAVED,
     UNLOAD_BUSY,
     UNLOAD_GONE,
@@ -56,17 +60,21 @@ log = logging.getLogger("vramguard.tray")
 RESTART_BACKOFF_S = (1, 2, 5, 10, 30)
 STARTING = "Starting (first start can take a few minutes)"
 STOP_COMMAND_WAIT_S = 60  # `vramguard stop` ends a server that takes longer itself
-STARTUP_FAILURE = 3  # uvicorn's exit status when the server could not start (its port, say)
 
 
 class TrayController:
     def __init__(self, client: ApiClient, notify: Callable[[str], None],
                  start_server: Callable[[], subprocess.Popen[bytes]] | None = None,
-                 last_words: Callable[[subprocess.Popen[bytes]], str] | None = None) -> None:
+                 last_words: Callable[[subprocess.Popen[bytes]], str] | None = None,
+                 launched_again: Callable[[], bool] | None = None) -> None:
         self.client = client
         self.notify = notify
         self.start_server = start_server
         self.last_words = last_words or (lambda _process: "")  # why a server process ended
+        # whether a second `vramguard run` came while this one holds the launcher lock
+        self.launched_again = launched_again or (lambda: False)
+        self._said_starting = False  # "vramguard is starting" was said
+        self._gpu_restarted = False  # restarted once because the graphics card was lost
         self.shutdown_requested = False  # from now on no exit of the server is a crash
         self._started_at = 0.0  # wall clock: when we started the current server
         self._start_failure: str | None = None  # why the last start failed, if it did
@@ -113,6 +121,18 @@ class TrayController:
         self._supervise()
         if self._stream is None or self._stream.refused:
             self._poll()
+        self._say_start()
+
+    def _say_start(self) -> None:
+        """Say at once that vramguard is starting (once per start of the tray: the icon may
+        sit in the hidden part of the tray), and answer a second launch, which starts
+        nothing, with where the first one is."""
+        if not self._said_starting and self._starting():
+            self._said_starting = True
+            self.notify(STARTING_NOTICE)
+        if self.launched_again():
+            self.notify(STILL_STARTING if self.down else
+                        READY.format(address=urlparse(self.client.base_url).netloc))
 
     def wait_for_news(self, timeout_s: float) -> bool:
         """Sleep until the stream brings something to show, or ``timeout_s`` passes."""
@@ -312,6 +332,9 @@ class TrayController:
             self.server = None
             self.stopped = True
             return
+        if code == GPU_LOST and not self._gpu_restarted:
+            self._restart_for_the_gpu()
+            return
         reason = self.last_words(self.server) or f"exit status {code}"
         with self._lock:
             never_ready = self.status == "starting"
@@ -327,6 +350,17 @@ class TrayController:
         self.restarts += 1
         self._next_start = time.monotonic() + backoff
         self.ensure_server()
+
+    def _restart_for_the_gpu(self) -> None:
+        """The server left because the graphics card stopped working (a driver reset or
+        update): start a new one at once, once per start of the tray, neither counted as
+        a crash nor as a start failure. A second loss is a crash like any other."""
+        self._gpu_restarted = True
+        log.warning("the server exited because the graphics card stopped working; "
+                    "starting it again")
+        self.last_stop = "the graphics card stopped working; the server was restarted"
+        self.ensure_server()
+        self.notify(GPU_RESTARTED)
 
     def _give_up(self, reason: str) -> None:
         """A start failure that restarting cannot cure (the port is taken, the same error

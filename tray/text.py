@@ -118,6 +118,12 @@ SUPPORT_REPORT_SAVED = ("Saved a support report to {path}. Attach it to your bug
                         "holds the logs, the checks and the settings, not the admin token.")
 USE_PAGE_DOWN = "vramguard is not running, so it cannot show how to use it. Start it first."
 READY = "vramguard is ready: {address}"
+GPU_RESTARTED = ("The graphics card stopped working (a driver reset or update can do that), "
+                 "so vramguard started again to use it afresh.")
+STARTING_NOTICE = ("vramguard is starting. The first start can take a few minutes; a "
+                   "notification says when it is ready.")
+STILL_STARTING = ("vramguard is already starting (the first start can take a few minutes). "
+                  "A notification says when it is ready.")
 UNLOADED = ("{name} is no longer in memory ({size} freed). It loads again the next time an "
             "image asks for it.")
 UNLOAD_BUSY = ("{name} is working on images right now, so it stays in memory. Try again when "

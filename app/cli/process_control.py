@@ -32,6 +32,7 @@ from app.config import (
     unknown_variables,
 )
 from app.host.address import local_url
+from app.host.exit_status import GPU_LOST, STARTUP_FAILURE
 from app.host.instance import (
     InstanceLock,
     RunningInstance,
@@ -42,9 +43,9 @@ from app.host.instance import (
     running_instances,
     same_process,
 )
+from app.host.launcher_lock import LauncherLock, leave_note
 
 SHUTDOWN_MARGIN_S = 5  # after the last deadline: decoding and a batch still running
-STARTUP_FAILURE = 3  # uvicorn's own exit status when the server could not start
 STOP_GRACE_S = 10  # after the stop request is answered, or for a tray to follow its server
 STARTING_WAIT_S = 15  # a second launch waits this long for a server still starting
 LAUNCHER_GRACE_S = 5.0  # after its server has gone, for the tray to quit by itself
@@ -223,11 +224,14 @@ def serve(settings: Settings, launched_by: int | None = None) -> int:
                                                   trusted_caller(app.state.vg)),
                             log_config=None)
     server = _Server(config, on_exit=app.state.vg.feed.close)
+    app.state.vg.on_gpu_lost = server.leave
     try:
         server.run(sockets=[listener])
     finally:
         lock.release()
         flush_repeats()
+    if app.state.vg.engine.health.device_lost:
+        return GPU_LOST
     return 0 if server.started else STARTUP_FAILURE
 
 
@@ -244,6 +248,12 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
         with contextlib.suppress(RuntimeError):  # no loop running: nothing to end
             asyncio.get_running_loop().call_soon_threadsafe(self.on_exit)
+
+    def leave(self) -> None:
+        """Shut down as on a stop signal, on the event loop, without one: uvicorn would
+        re-raise a signal at the end, and the exit status must say why it left."""
+        self.should_exit = True
+        self.on_exit()
 
 
 def stop_signals() -> tuple[int, ...]:
@@ -278,7 +288,36 @@ def tray_command(settings: Settings, start_server: bool, argv: list[str] | None,
                  keep_server: bool = False) -> int:
     """`tray`: icon for a running server. `run`: start the server as a child and show the
     icon (Ollama-style); without a display `run` is the same as `serve`. The server `run`
-    started ends with it (Quit, Ctrl+C, Ctrl+Break, SIGTERM) unless `keep_server`."""
+    started ends with it (Quit, Ctrl+C, Ctrl+Break, SIGTERM) unless `keep_server`.
+    `run` takes the launcher lock first, before anything slow (app/host/launcher_lock.py)."""
+    if not start_server:
+        return _tray(settings, start_server, argv, keep_server, None)
+    from app.host.user_files import reason
+    from tray.text import STILL_STARTING
+
+    folder = instance_folder(settings.token_file)
+    lock = LauncherLock(folder, settings.port)
+    try:
+        acquired = lock.acquire()
+    except OSError as exc:
+        print(f"vramguard: cannot write in {folder}: {reason(exc)}. Then start vramguard "
+              "again.", file=sys.stderr)
+        return 1
+    if not acquired:  # a second double-click while the first launch is under way
+        if _already_running(settings):
+            return _show_dashboard(settings, _url(settings))
+        with contextlib.suppress(OSError):
+            leave_note(folder, settings.port)
+        print(f"vramguard: {STILL_STARTING}", file=sys.stderr)
+        return 0
+    try:
+        return _tray(settings, start_server, argv, keep_server, lock)
+    finally:
+        lock.release()
+
+
+def _tray(settings: Settings, start_server: bool, argv: list[str] | None,
+          keep_server: bool, lock: LauncherLock | None) -> int:
     from tray import app as tray_app
 
     if not tray_app.display_available():
@@ -310,7 +349,8 @@ def tray_command(settings: Settings, start_server: bool, argv: list[str] | None,
     with ApiClient(url, settings.token_file) as client:
         controller = TrayController(client, notify=print,
                                     start_server=spawn if start_server else None,
-                                    last_words=lambda process: outputs[process.pid].why())
+                                    last_words=lambda process: outputs[process.pid].why(),
+                                    launched_again=lock.launched_again if lock else None)
 
         def end_tray(signum: int, frame: object) -> None:
             """Leave the tray; the server this launcher started ends with it (below)."""

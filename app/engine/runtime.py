@@ -62,9 +62,10 @@ class Health:
 
     def not_ready_message(self) -> str:
         if self.phase is Phase.FAILED and self.device_lost:
-            return (f"The graphics card stopped working ({self.error}) and cannot be used "
-                    "again by this vramguard. Quit vramguard and start it again; if it "
-                    "happens again, restart the computer.")
+            return (f"The graphics card stopped working ({self.error}). This vramguard "
+                    "cannot use it again, so it exits: the tray starts a new one by itself "
+                    "(start it again yourself if you ran vramguard serve). If it happens "
+                    "again, restart the computer.")
         if self.phase is Phase.FAILED:
             return f"The model could not be started: {self.error}"
         if self.phase is Phase.STOPPED:

@@ -87,12 +87,12 @@ def stop_requested(folder: Path, port: int, since: float) -> bool:
         return False
 
 
-def _open_lock(path: Path, create: bool) -> int:
+def open_lock(path: Path, create: bool) -> int:
     flags = os.O_RDWR | NO_FOLLOW | (os.O_CREAT if create else 0)
     return os.open(path, flags, 0o600)
 
 
-def _try_lock(fd: int) -> bool:
+def try_lock(fd: int) -> bool:
     try:
         if sys.platform == "win32":
             os.lseek(fd, 0, os.SEEK_SET)
@@ -104,7 +104,7 @@ def _try_lock(fd: int) -> bool:
     return True
 
 
-def _unlock(fd: int) -> None:
+def unlock(fd: int) -> None:
     """Release the lock before its handle is closed: Windows frees a region lock left on a
     closed handle only when it gets round to it, and until then the next server on this
     port (a restart, say) finds the port taken."""
@@ -175,10 +175,10 @@ class InstanceLock:
     def acquire(self, url: str, launcher_pid: int | None = None) -> bool:
         """Take the lock and record who we are; False if another process holds it."""
         private_folder(self.folder)
-        fd = _open_lock(self.lock_path, create=True)
+        fd = open_lock(self.lock_path, create=True)
         # A few tries: is_held() in another launch takes the lock for a moment to probe it.
         for _ in range(PROBE_RETRIES):
-            if _try_lock(fd):
+            if try_lock(fd):
                 break
             time.sleep(0.05)
         else:
@@ -226,7 +226,7 @@ class InstanceLock:
                 log.warning("could not remove %s (%s); it is ignored once this server "
                             "has ended", self.info_path, exc.strerror or exc)
             finally:
-                _unlock(self._fd)
+                unlock(self._fd)
                 os.close(self._fd)
                 self._fd = None
 
@@ -235,13 +235,13 @@ def is_held(folder: Path, port: int) -> bool:
     """Whether a live process holds the lock for this port (probed by trying to take it)."""
     lock_path, _ = _paths(folder, port)
     try:
-        fd = _open_lock(lock_path, create=False)
+        fd = open_lock(lock_path, create=False)
     except OSError:  # none, or a link: nobody holds a lock there
         return False
     try:
-        if not _try_lock(fd):
+        if not try_lock(fd):
             return True
-        _unlock(fd)
+        unlock(fd)
         return False
     finally:
         os.close(fd)

@@ -28,6 +28,7 @@ from app.gates.rate_limit import Limiter, Rate, RateLimiter, RateLimitMiddleware
 from app.gates.request_metrics import MetricsMiddleware
 from app.gates.ui_session import UiSessions
 from app.gates.upload_deadline import UploadPace
+from app.host.exit_status import GPU_LOST
 from app.host.token_file import AdminToken, load_or_create_token
 from app.http import openapi_doc
 from app.http.live_feed import LiveFeed
@@ -70,6 +71,12 @@ async def _monitor(state: AppState) -> None:
     last_state = None
     while True:
         await asyncio.sleep(MONITOR_INTERVAL_S)
+        if engine.health.device_lost:
+            # Its CUDA context is broken for good: only a new process can use the card.
+            log.error("the graphics card stopped working (%s); vramguard exits with status "
+                      "%d so that it is started again", engine.health.error, GPU_LOST)
+            state.on_gpu_lost()
+            return
         if not engine.ready:
             state.feed.heartbeat(engine.phase.value)
             continue

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from starlette.requests import HTTPConnection
 
@@ -33,6 +34,9 @@ class AppState:
     ui_sessions: UiSessions
     metrics: Metrics
     api_key: str | None  # read once from api_key_file, for every face of the app
+    # Ends the process when the graphics card stopped working (`serve` sets it; in a
+    # test's app or a cluster replica nothing ends, and the engine answers 503).
+    on_gpu_lost: Callable[[], None] = field(default=lambda: None)
 
 
 def state_of(connection: HTTPConnection) -> AppState:

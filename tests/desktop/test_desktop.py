@@ -24,6 +24,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import psutil
 import pytest
 from browser import browser_session, require_chromium
 from live_server import USER_DIRS, free_port, live_server
@@ -381,6 +382,66 @@ def test_stop_ends_the_server_and_the_tray_that_started_it(tmp_path):
                 launcher.kill()
     log = (tmp_path / "run.log").read_text()
     assert "Traceback" not in log and "restart" not in log
+
+
+def servers_on(port: str) -> set[int]:
+    """The vramguard servers (``serve --port PORT``) running now."""
+    found = set()
+    for process in psutil.process_iter(["cmdline"]):
+        command = process.info["cmdline"] or []
+        if "serve" in command and port in command and "app" in command:
+            found.add(process.pid)
+    return found
+
+
+def test_two_launches_half_a_second_apart_give_one_server(tmp_path):
+    """Issue 27, item 4: a person double-clicks again while the first start is still
+    importing torch (before the server's own lock). The second launch starts nothing and
+    ends at once; the first launcher's tray says it is starting, then answers the second
+    launch, then says it is ready; one server ran through the whole start."""
+    from tray.text import STARTING_NOTICE, STILL_STARTING
+
+    with ExitStack() as stack:
+        env = desktop(stack, tmp_path)
+        port = str(free_port())
+        home = tmp_path / "home"
+        run_env = {**{k: v for k, v in env.items() if not k.startswith("VRAMGUARD_")},
+                   **{var: str(home / var.lower()) for var in USER_DIRS},
+                   "VRAMGUARD_TOKEN_FILE": str(home / "admin-token"), "VRAMGUARD_CACHE": "0"}
+        said = tmp_path / "notifications.jsonl"
+        run = [sys.executable, "-m", "app", "run", "--port", port]
+        with (tmp_path / "first.log").open("wb") as sink:
+            first = subprocess.Popen(["dbus-run-session", "--", sys.executable,
+                                      str(NOTIFICATION_SERVICE), str(said), *run],
+                                     env=run_env, stdout=sink, stderr=subprocess.STDOUT)
+        seen: set[int] = set()
+        try:
+            time.sleep(0.5)
+            second = subprocess.Popen(run, env=run_env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True)
+            url = f"http://127.0.0.1:{port}"
+
+            def started() -> bool:
+                seen.update(servers_on(port))
+                return ready(url) and second.poll() is not None
+
+            wait_for(started, timeout=180, what="the server, and the second launch to end")
+            assert second.returncode == 0
+            assert STILL_STARTING in (second.stdout.read() if second.stdout else "")
+            wait_for(lambda: f"vramguard is ready: 127.0.0.1:{port}" in notifications(said),
+                     what="the ready notification")
+            seen.update(servers_on(port))
+            assert len(seen) == 1, f"{len(seen)} servers were started"
+            assert notifications(said)[:2] == [STARTING_NOTICE, STILL_STARTING]
+            stopped = subprocess.run([sys.executable, "-m", "app", "stop"], env=run_env,
+                                     capture_output=True, text=True, timeout=120)
+            assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+            assert first.wait(30) == 0
+        finally:
+            for process in (first, second):
+                if process.poll() is None:
+                    process.kill()
+    assert "Traceback" not in (tmp_path / "first.log").read_text()
 
 
 def ready(url: str) -> bool:

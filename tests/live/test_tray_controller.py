@@ -117,3 +117,75 @@ def test_save_a_support_report_writes_a_new_zip_each_time(controller, tmp_path):
         assert all(token.encode() not in report.read(name) for name in report.namelist())
     assert controller.save_support_report(tmp_path / "missing").startswith(
         "Could not save a support report: ")
+
+
+def test_a_lost_graphics_card_ends_the_server_and_the_tray_starts_a_new_one(tmp_path,
+                                                                              monkeypatch):
+    """Issue 27, item 5: the card stops working mid-batch (torch's AcceleratorError with
+    CUDA's sticky message, raised by tests/support/gpu_loss_server.py): the request gets
+    a 503 that says so, the server exits with GPU_LOST instead of living on unable to
+    serve, and the tray starts a new server at once, which serves."""
+    import os
+    import time
+
+    import httpx
+    from images import photo
+    from live_server import ROOT, USER_DIRS
+
+    from app.cli.process_control import ServerOutput
+    from app.host.exit_status import GPU_LOST
+    from tray.text import GPU_RESTARTED
+
+    port = free_port()
+    home = tmp_path / "home"
+    env = {**{var: str(home / var.lower()) for var in USER_DIRS},
+           "VRAMGUARD_TOKEN_FILE": str(home / "admin-token"), "VRAMGUARD_CACHE": "0"}
+    trigger = tmp_path / "lose-the-gpu"
+    command = [sys.executable, str(ROOT / "tests" / "support" / "gpu_loss_server.py"),
+               str(trigger), "serve", "--port", str(port)]
+    outputs: dict[int, ServerOutput] = {}
+
+    def spawn():
+        output = ServerOutput(command)
+        outputs[output.process.pid] = output
+        return output.process
+
+    said: list[str] = []
+    url = f"http://127.0.0.1:{port}"
+
+    def serving() -> bool:
+        tray.refresh()
+        return tray.sample is not None
+
+    def wait(condition, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while not condition():
+            assert time.monotonic() < deadline
+            time.sleep(0.3)
+
+    for name in [name for name in os.environ if name.startswith("VRAMGUARD_")]:
+        monkeypatch.delenv(name)
+    for name, value in env.items():  # ServerOutput starts the server with our environment
+        monkeypatch.setenv(name, value)
+    with ApiClient(url, home / "admin-token") as client:
+        tray = TrayController(client, notify=said.append, start_server=spawn,
+                              last_words=lambda process: outputs[process.pid].why())
+        tray.ensure_server()
+        try:
+            wait(serving, 180)
+            first = tray.server
+            assert first is not None
+            trigger.touch()
+            answer = httpx.post(f"{url}/v1/classify", content=photo(), timeout=60,
+                                headers={"Content-Type": "image/jpeg"})
+            assert answer.status_code == 503 and "graphics card" in answer.text
+            assert first.wait(60) == GPU_LOST
+            tray.refresh()
+            assert tray.server is not None and tray.server is not first
+            assert GPU_RESTARTED in said and tray.restarts == 0
+            wait(serving, 180)
+            again = httpx.post(f"{url}/v1/classify", content=photo(), timeout=60,
+                               headers={"Content-Type": "image/jpeg"})
+            assert again.status_code == 200, again.text
+        finally:
+            tray.stop_server()

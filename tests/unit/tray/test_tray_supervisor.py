@@ -295,3 +295,78 @@ def test_tray_without_a_display(monkeypatch, capsys):
     monkeypatch.delenv("WAYLAND_DISPLAY", raising=False)
     assert main(["tray"]) == 1
     assert "needs a display" in capsys.readouterr().err
+
+
+def test_a_second_launch_during_the_first_start_starts_nothing(monkeypatch, tmp_path,
+                                                               capsys):
+    """Issue 27, item 4: while another `vramguard run` holds the launcher lock (its server
+    still importing torch, so no server lock yet), a second launch starts no server and
+    leaves the first a note to say so."""
+    from app.cli import process_control
+    from app.host.launcher_lock import LauncherLock
+    from tray import app as tray_app
+    from tray.text import STILL_STARTING
+
+    port = free_port()
+    folder = instance_folder(tmp_path / "admin-token")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import time; from pathlib import Path; "
+         "from app.host.launcher_lock import LauncherLock; "
+         f"assert LauncherLock(Path({str(folder)!r}), {port}).acquire(); "
+         "print('held', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    spawned: list[list[str]] = []
+    monkeypatch.setenv("VRAMGUARD_TOKEN_FILE", str(tmp_path / "admin-token"))
+    monkeypatch.setenv("VRAMGUARD_LOG_DIR", str(tmp_path / "logs"))
+    monkeypatch.setattr(tray_app, "display_available", lambda: True)
+    monkeypatch.setattr(process_control, "ServerOutput",
+                        lambda command: spawned.append(command))
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        assert main(["run", "--port", str(port)]) == 0
+    finally:
+        holder.kill()
+        holder.wait()
+    assert spawned == []
+    assert STILL_STARTING in capsys.readouterr().err
+    lock = LauncherLock(folder, port)
+    deadline = time.monotonic() + 5
+    while not lock.acquire():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert not lock.launched_again()  # a note for the ended launcher is not the next one's
+    lock.release()
+
+
+def test_the_tray_says_it_is_starting_at_once_and_answers_a_second_launch(tmp_path):
+    from tray.text import STARTING_NOTICE, STILL_STARTING
+
+    again = [False, True, False]
+    tray = tray_for(tmp_path, stand_in(0, seconds=30))
+    tray.launched_again = lambda: again.pop(0)
+    tray.ensure_server()
+    try:
+        for _ in range(3):
+            tray.refresh()
+        assert tray.said == [STARTING_NOTICE, STILL_STARTING]
+    finally:
+        tray.started[-1].kill()
+        tray.started[-1].wait()
+
+
+def test_a_lost_graphics_card_restarts_the_server_once_not_as_a_crash(tmp_path):
+    """Issue 27, item 5: a server that left with GPU_LOST (its CUDA context broken by a
+    driver reset) is started again at once, said in a notification, counted neither as a
+    crash nor as a start failure; a second loss is a crash like any other."""
+    from app.host.exit_status import GPU_LOST
+    from tray.text import GPU_RESTARTED
+
+    tray = tray_for(tmp_path, stand_in(GPU_LOST, "vramguard: the graphics card stopped"))
+    tray.ensure_server()
+    exits(tray)
+    assert len(tray.started) == 2 and tray.restarts == 0
+    assert GPU_RESTARTED in tray.said
+    assert any("graphics card" in line for line in tray.lines())
+    exits(tray)
+    assert len(tray.started) == 3 and tray.restarts == 1  # the second: a crash, backed off
+    assert tray.said.count(GPU_RESTARTED) == 1
+    tray.started[-1].wait(20)
