@@ -20,6 +20,7 @@ from types import ModuleType
 from typing import Any
 
 from app.vocabulary import EMPTY_GPU_CACHE
+from tray import menu_on_open as menu_opening
 from tray.clicks import accept_clicks
 from tray.controller import TrayController
 from tray.text import MODELS_HEADING, SUPPORT_REPORT_ITEM, USE_PAGE_ITEM, fit_notification
@@ -56,11 +57,13 @@ def load_pystray() -> ModuleType:
 class TrayView:
     """What the icon, its tooltip and its menu show now. Only what changed is handed to
     pystray: on Windows each new picture is written to a temporary .ico and deleted (a
-    delete refused by an antivirus raises), and rebuilding the menu from the update
-    thread is not thread-safe there (moses-palmer/pystray#60)."""
+    delete refused by an antivirus raises). With ``menu_on_open`` (Windows) the menu is
+    never rebuilt from here, the update thread: it is built on the message thread as it
+    opens (tray/menu_on_open.py, moses-palmer/pystray#60)."""
 
-    def __init__(self, controller: TrayController) -> None:
+    def __init__(self, controller: TrayController, menu_on_open: bool = False) -> None:
         self.controller = controller
+        self.menu_on_open = menu_on_open
         self._picture: bytes | None = None
         self._title: str | None = None
         self._menu: tuple[object, ...] | None = None
@@ -76,8 +79,8 @@ class TrayView:
             self._title = title
         menu = (tuple(self.controller.lines()), tuple(self.controller.models()),
                 self.controller.down, self.controller.paused)
-        if menu != self._menu:
-            icon.update_menu()  # Windows and GTK rebuild the menu (its models too) only here
+        if menu != self._menu and not self.menu_on_open:
+            icon.update_menu()  # GTK rebuilds the menu (its models too) only here
             self._menu = menu
 
 
@@ -227,7 +230,10 @@ def run_tray(controller: TrayController, log_file: Path | None = None) -> None:
     # where the backend has no menu, a click opens the dashboard (the default item)
     accept_clicks(icon, lambda: _say_problem(icon, controller.open_dashboard()))
 
-    view = TrayView(controller)
+    if sys.platform == "win32" and not menu_opening.install(icon):
+        log.warning("tray: this pystray is not %s; the menu's readings are those of when "
+                    "it was last built", menu_opening.PYSTRAY_VERSION)
+    view = TrayView(controller, menu_on_open=sys.platform == "win32")
     controller.follow()
     try:
         icon.run(lambda icon: update_loop(icon, controller, stop, view))
