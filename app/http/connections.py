@@ -106,7 +106,13 @@ class _Listener(socket.socket):
     once says "nothing to accept". asyncio (3.11) does not stop after that failure: it
     calls accept() again up to `backlog` times in the same round, logging each failure
     and scheduling one more retry for each, which snowballed to 294,136 errors in 15 s.
-    Stopped here, a round logs one error and asyncio retries a second later."""
+    Stopped here, a round logs one error and asyncio retries a second later.
+
+    Only the selector loop calls this accept(). Windows' Proactor loop accepts with
+    AcceptEx on the socket's handle and never does; there the bound on open handles is
+    the connection cap alone (``GuardedH11Protocol.connection_made``, on every loop):
+    Windows has no per-process open-files limit to run out of (``connection_cap`` keeps
+    ``max_connections`` as it is), so a round of failing accepts cannot start there."""
 
     _out_of_resources = False
 
@@ -119,11 +125,20 @@ class _Listener(socket.socket):
         except OSError as exc:
             self._out_of_resources = exc.errno in OUT_OF_RESOURCES
             raise
-        # asyncio turns Nagle's algorithm off only for sockets made with proto=IPPROTO_TCP,
-        # which create_server's are not; left on, every small answer waits for the
-        # client's delayed ACK (40 ms on Linux).
-        connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return connection, address
+
+
+def no_delay(transport: asyncio.BaseTransport) -> None:
+    """Turn Nagle's algorithm off for this connection, whichever loop made it. asyncio
+    does so only for sockets made with proto=IPPROTO_TCP, which create_server's are not;
+    left on, every small answer waits for the client's delayed ACK (40 ms on Linux).
+    Set here, not at accept(), which the Proactor loop (Windows) never calls."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError as exc:  # already reset by the client
+            log.debug("could not turn Nagle's algorithm off: %s", exc)
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -234,6 +249,7 @@ class GuardedH11Protocol(H11Protocol):
     _head_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # as uvicorn's own
+        no_delay(transport)
         open_now = len(self.connections)
         if open_now >= self.limits.max_connections and not self._make_room():
             log.warning("refused a connection: %d are open, the most allowed at once "
