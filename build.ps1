@@ -7,11 +7,15 @@
     A thin wrapper: it makes a build environment, installs torch from PyTorch's own
     index (PyPI's Windows torch has no CUDA), and runs packaging\build.py and
     installer\build_installer.py, where all the build logic lives.
-    Needs Python 3.11 (the "py" launcher) and, for the installer, NSIS 3
-    (winget install NSIS.NSIS).
+    Needs Python 3.11 (the "py" launcher's, or the one -Python names) and, for the
+    installer, NSIS 3 (winget install NSIS.NSIS).
     Windows' default execution policy runs no script; start this one with
     powershell -ExecutionPolicy Bypass -File .\build.ps1, which allows this one run
     and changes no setting.
+
+.PARAMETER Python
+    The python.exe (3.11) that makes the build environment; by default the py
+    launcher's 3.11. The Windows workflow passes the one setup-python installed.
 
 .PARAMETER Cpu
     Build with CPU-only torch: a much smaller bundle that never uses the GPU.
@@ -29,9 +33,11 @@
 .EXAMPLE
     powershell -ExecutionPolicy Bypass -File .\build.ps1
     powershell -ExecutionPolicy Bypass -File .\build.ps1 -Cpu -NoInstaller
+    powershell -ExecutionPolicy Bypass -File .\build.ps1 -Python C:\Python311\python.exe
 #>
 [CmdletBinding()]
 param(
+    [string]$Python = "",
     [switch]$Cpu,
     [switch]$NoInstaller,
     [ValidateSet("lzma", "zlib")]
@@ -52,7 +58,7 @@ $TorchIndex = "https://download.pytorch.org/whl/$Flavour"
 
 $Root = $PSScriptRoot
 $Venv = Join-Path $Root ".venv-build-$Flavour"
-$Python = Join-Path $Venv "Scripts\python.exe"
+$VenvPython = Join-Path $Venv "Scripts\python.exe"
 
 # Runs a native program and judges it by its exit code alone. Windows PowerShell 5.1
 # turns each line such a program writes to stderr into an error when output is
@@ -73,18 +79,23 @@ function Invoke-Step {
 
 Push-Location $Root
 try {
-    if (-not (Test-Path $Python)) {
-        Invoke-Step "Create the build environment (Python 3.11)" { py -3.11 -m venv $Venv }
+    if (-not (Test-Path $VenvPython)) {
+        if ($Python) {
+            Invoke-Step "Create the build environment with $Python" { & $Python -m venv $Venv }
+        }
+        else {
+            Invoke-Step "Create the build environment (Python 3.11)" { py -3.11 -m venv $Venv }
+        }
     }
-    Invoke-Step "Update pip" { & $Python -m pip install --upgrade pip }
+    Invoke-Step "Update pip" { & $VenvPython -m pip install --upgrade pip }
     Invoke-Step "Install torch $TorchVersion+$Flavour from $TorchIndex" {
-        & $Python -m pip install "torch==$TorchVersion+$Flavour" "torchvision==$TorchvisionVersion+$Flavour" --index-url $TorchIndex
+        & $VenvPython -m pip install "torch==$TorchVersion+$Flavour" "torchvision==$TorchvisionVersion+$Flavour" --index-url $TorchIndex
     }
-    Invoke-Step "Install vramguard and PyInstaller" { & $Python -m pip install -e ".[package]" }
+    Invoke-Step "Install vramguard and PyInstaller" { & $VenvPython -m pip install -e ".[package]" }
 
     $BuildArgs = @("packaging\build.py")
     if ($Cpu) { $BuildArgs += "--cpu-only" }
-    Invoke-Step "Build and check the bundle" { & $Python @BuildArgs }
+    Invoke-Step "Build and check the bundle" { & $VenvPython @BuildArgs }
 
     if ($NoInstaller) {
         Write-Host "Bundle: $(Join-Path $Root 'dist\vramguard')"
@@ -103,7 +114,7 @@ try {
         "--icon", "build\pyinstaller\vramguard.ico")
     # The comma binds tighter than "*" in PowerShell: the product needs its brackets.
     if ($PartSizeMB) { $InstallerArgs += @("--part-size", ($PartSizeMB * 1MB)) }
-    Invoke-Step "Compile the installer" { & $Python @InstallerArgs }
+    Invoke-Step "Compile the installer" { & $VenvPython @InstallerArgs }
     Write-Host "Installer: $(Join-Path $Root 'dist\installer') (ship every .exe in it together)"
 }
 finally {

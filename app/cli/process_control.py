@@ -44,6 +44,7 @@ from app.host.instance import (
     same_process,
 )
 from app.host.launcher_lock import LauncherLock, leave_note
+from app.host.server_job import ServerJob
 
 SHUTDOWN_MARGIN_S = 5  # after the last deadline: decoding and a batch still running
 STOP_GRACE_S = 10  # after the stop request is answered, or for a tray to follow its server
@@ -338,12 +339,15 @@ def _tray(settings: Settings, start_server: bool, argv: list[str] | None,
         server_args[server_args.index("run")] = "serve"
 
     outputs: dict[int, ServerOutput] = {}
+    job = None if keep_server else ServerJob()  # the server ends with us, even if killed
 
     def spawn() -> subprocess.Popen[bytes]:
         command = [sys.executable, *([] if getattr(sys, "frozen", False) else ["-m", "app"]),
                    *server_args, "--launched-by", str(os.getpid())]
         output = ServerOutput(command)
         outputs[output.process.pid] = output
+        if job is not None:
+            job.add(output.process.pid)
         return output.process
 
     with ApiClient(url, settings.token_file) as client:

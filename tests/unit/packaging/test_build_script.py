@@ -82,7 +82,7 @@ def test_native_steps_are_judged_by_exit_code_not_by_stderr():
     relaxed = body.index('$ErrorActionPreference = "Continue"')
     assert relaxed < body.index("& $Command 2>&1") < body.index("if ($LASTEXITCODE -ne 0)")
     rest = outside_steps(text.replace(helper.group(0), ""))
-    for native in ("& $Python", "py -3.11", "makensis"):
+    for native in ("& $Python", "& $VenvPython", "py -3.11", "makensis"):
         assert native in text
         assert not re.search(rf"^\s*{re.escape(native)}", rest, re.M), native
     for step in ("packaging\\build.py", "installer\\build_installer.py", "--cpu-only",
@@ -125,12 +125,12 @@ def test_build_ps1_names_the_versions_pyproject_pins():
         assert f'else {{ "cu{torch.version.cuda.replace(".", "")}" }}' in text
 
 
-def workflow_steps() -> list[dict[str, str]]:
+def workflow_steps(job: str = "build") -> list[dict[str, str]]:
     import yaml
 
     workflow = yaml.safe_load((ROOT / ".github" / "workflows" / "windows.yml").read_text())
-    assert workflow["jobs"]["build"]["runs-on"] == "windows-latest"
-    return workflow["jobs"]["build"]["steps"]
+    assert workflow["jobs"][job]["runs-on"] == "windows-latest"
+    return workflow["jobs"][job]["steps"]
 
 
 def step_running(steps: list[dict[str, str]], *needles: str) -> int:
@@ -147,7 +147,7 @@ def test_the_workflow_builds_the_way_the_readme_says_in_several_parts():
     # cmd's "powershell" is Windows PowerShell 5.1, output redirected: the case that broke.
     assert build["shell"] == "cmd"
     assert re.search(r"^powershell -NoProfile -ExecutionPolicy Bypass -File \.\\build\.ps1 "
-                     r"-Cpu .*-PartSizeMB \d+", build["run"])
+                     r"(-Python \"[^\"]+\" )?-Cpu .*-PartSizeMB \d+", build["run"])
     step_running(steps, "vramguard-*-setup.part*.exe", "throw")
     step_running(steps, ".venv-build-cpu\\Scripts\\python.exe packaging\\smoke.py")
 
@@ -165,3 +165,44 @@ def test_the_workflow_stops_upgrades_over_autostart_and_meets_a_busy_port():
     doctor = step_running(steps, ") doctor")
     uninstall = step_running(steps, "uninstall.exe", "/REMOVEDATA", "autostart entry")
     assert install < stop <= upgrade < files < busy < uninstall and doctor < uninstall
+
+
+def test_build_ps1_takes_the_python_to_build_with():
+    """Issue 27, item 7e: -Python names the interpreter that makes the build venv; without
+    it the py launcher's 3.11, as before."""
+    text = SCRIPT.read_text(encoding="utf-8")
+    assert '[string]$Python = ""' in text
+    assert re.search(r"if \(\$Python\) \{\s*Invoke-Step [^{]*\{ & \$Python -m venv \$Venv \}",
+                     text)
+    assert "$VenvPython = Join-Path $Venv" in text
+
+
+def test_the_workflow_builds_with_its_python_and_once_the_release_way():
+    """-Python with setup-python's interpreter in both jobs; the release build uses the
+    defaults build.ps1 ships with (CUDA, LZMA, 1.5 GiB parts) and checks it got parts."""
+    for job in ("build", "release-build"):
+        steps = workflow_steps(job)
+        assert any(step.get("id") == "python" and "setup-python" in step.get("uses", "")
+                   for step in steps)
+        step_running(steps, "build.ps1", '-Python "${{ steps.python.outputs.python-path }}"')
+    release = workflow_steps("release-build")
+    build = release[step_running(release, "build.ps1")]["run"]
+    assert not re.search(r"-Cpu|-Compressor|-PartSizeMB", build), build
+    step_running(release, "vramguard-*-setup.part*.exe", "throw")
+
+
+def test_the_workflow_shows_the_first_day_items_on_windows():
+    """Issue 27: the launcher's log (item 3), two launches 0.5 s apart giving one server
+    (item 4), a launcher ended from Task Manager taking its server (the job object) and
+    `vramguard stop` ending the server before its launcher (item 6)."""
+    steps = workflow_steps()
+    install = step_running(steps, '"/S", "/AUTOSTART"')
+    twice = step_running(steps, "Start-Process $desktop", "Start-Sleep -Milliseconds 500",
+                         "--launched-by", "$servers.Count -ne 1", "$launchers.Count -ne 1")
+    log = step_running(steps, "vramguard-tray*.log", "throw")
+    killed = step_running(steps, "Stop-Process -Id $launchers[0].ProcessId -Force",
+                          "the server outlived its launcher")
+    order = step_running(steps, ") stop", "$server.ExitTime -gt $launcher.ExitTime",
+                         "$launcher.ExitCode -ne 0")
+    uninstall = step_running(steps, "uninstall.exe")
+    assert install < twice <= log <= killed < order < uninstall

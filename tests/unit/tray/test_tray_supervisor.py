@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import ClassVar
 
 from live_server import free_port
 
@@ -162,10 +163,40 @@ def test_the_launcher_keeps_a_log_of_its_own(monkeypatch, tmp_path):
     assert "tray, log" in text and "ending on signal" in text, text
 
 
+class RecordingJob:
+    """ServerJob's stand-in (the real one acts on Windows only): which servers it got."""
+
+    made: ClassVar[list[RecordingJob]] = []
+
+    def __init__(self) -> None:
+        self.pids: list[int] = []
+        RecordingJob.made.append(self)
+
+    def add(self, pid: int) -> bool:
+        self.pids.append(pid)
+        return True
+
+
+def test_the_server_is_put_in_the_launchers_job(monkeypatch, tmp_path):
+    """Issue 27, item 6: a launcher ended from Task Manager takes its server with it."""
+    from app.cli import process_control
+
+    RecordingJob.made.clear()
+    monkeypatch.setattr(process_control, "ServerJob", RecordingJob)
+    status, servers = launch(monkeypatch, tmp_path)
+    assert status == 0 and [job.pids for job in RecordingJob.made] == [
+        [servers[0].process.pid]]
+
+
 def test_keep_server_leaves_the_server_running(monkeypatch, tmp_path):
+    from app.cli import process_control
+
+    RecordingJob.made.clear()
+    monkeypatch.setattr(process_control, "ServerJob", RecordingJob)
     status, servers = launch(monkeypatch, tmp_path, "--keep-server")
     try:
         assert status == 0 and servers[0].process.poll() is None
+        assert RecordingJob.made == []  # not in a job that would end it with the launcher
     finally:
         servers[0].process.kill()
         servers[0].process.wait()
