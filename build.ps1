@@ -1,7 +1,7 @@
 <#
 .SYNOPSIS
     Build vramguard for Windows: the bundle (dist\vramguard) and its installer
-    (dist\installer\vramguard-<version>-setup.exe and its .partN.exe files).
+    (dist\installer\vramguard-<version>-setup.exe and its .partN.bin files).
 
 .DESCRIPTION
     A thin wrapper: it makes a build environment, installs torch from PyTorch's own
@@ -115,7 +115,7 @@ try {
     # The comma binds tighter than "*" in PowerShell: the product needs its brackets.
     if ($PartSizeMB) { $InstallerArgs += @("--part-size", ($PartSizeMB * 1MB)) }
     Invoke-Step "Compile the installer" { & $VenvPython @InstallerArgs }
-    Write-Host "Installer: $(Join-Path $Root 'dist\installer') (ship every .exe in it together)"
+    Write-Host "Installer: $(Join-Path $Root 'dist\installer') (ship the setup and its .bin parts together)"
 }
 finally {
     Pop-Location

@@ -5,8 +5,12 @@
 NSIS cannot hold a payload much past 2 GB, and the bundle with torch's CUDA libraries
 is about 4 GB. So the bundle is cut into parts of at most --part-size (uncompressed,
 whole files): the first part goes into vramguard-<version>-setup.exe,
-each other part into its own silent installer vramguard-<version>-setup.partN.exe that
-the setup runs from its own folder. The uninstaller removes exactly the files of the
+each other part into its own silent installer vramguard-<version>-setup.partN.bin that
+the setup runs from its own folder. A part is named as data, not .exe: browsers and
+SmartScreen judge a download by its type, so the person is warned once, about the setup,
+not once per part; the setup starts each one itself (ExecWait: CreateProcess, which runs
+a program whatever its name and asks SmartScreen nothing), and a double-click on a part
+opens nothing. The uninstaller removes exactly the files of the
 bundle (the list is generated here), never a whole folder the user picked.
 
 Also written: vramguard-<version>-files.sha256, the checksum of every installed file
@@ -114,7 +118,7 @@ def human(size: int) -> str:
 
 
 def part_name(version: str, number: int) -> str:
-    return f"vramguard-{version}-setup.part{number}.exe"
+    return f"vramguard-{version}-setup.part{number}.bin"
 
 
 def executable(bundle: Path, stem: str) -> str:
@@ -171,8 +175,8 @@ def build(bundle: Path, out: Path, version: str, compressor: str, limit: int,
     total = sum(part.size for part in parts)
     payload = max(total, 1)  # the progress steps' denominator
     out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob("vramguard-*-setup*.exe"):  # an older build's parts would mislead
-        stale.unlink()
+    for stale in [*out.glob("vramguard-*-setup*.exe"), *out.glob("vramguard-*-setup*.bin")]:
+        stale.unlink()  # an older build's parts would mislead
     gen = out / "nsis"
     shutil.rmtree(gen, ignore_errors=True)
     gen.mkdir()

@@ -3,7 +3,7 @@
 ; (in ${GEN}) from the PyInstaller bundle and passes VERSION, OUTFILE, EXE_CONSOLE,
 ; EXE_DESKTOP, SIZE_KB and COMPRESSOR. NSIS cannot hold much more than 2 GB, so the
 ; bundle is split: this setup carries the first part and runs the other parts
-; (vramguard-<version>-setup.partN.exe, shipped beside it) silently into the same folder.
+; (vramguard-<version>-setup.partN.bin, shipped beside it) silently into the same folder.
 ;
 ; Silent use:  setup.exe /S [/AUTOSTART | /NOAUTOSTART] [/D=folder]
 ;              (neither: start at login stays as it was; off on a first install)

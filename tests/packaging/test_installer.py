@@ -118,10 +118,23 @@ def wine(tmp_path) -> Iterator[WinePrefix]:
 def test_the_installer_builds_with_the_nsis_windows_users_have(small_installer):
     """Stock NSIS for Windows has only x86 stubs: `Target amd64-unicode` fails there with
     "Unable to set target architecture". The installer and its parts are 32-bit programs."""
-    programs = sorted(small_installer.glob("vramguard-*-setup*.exe"))
+    programs = sorted([*small_installer.glob("vramguard-*-setup*.exe"),
+                       *small_installer.glob("vramguard-*-setup.part*.bin")])
     assert len(programs) >= 3
     assert {program.name: pe_machine(program) for program in programs} == {
         program.name: "x86" for program in programs}
+
+
+def test_one_download_is_a_program_the_parts_are_named_as_data(small_installer):
+    """Issue 27, item 9: browsers and SmartScreen warn about each downloaded program (by
+    its type), so only the setup is one; the parts are .bin, which the setup starts."""
+    downloads = sorted(path.name for path in small_installer.iterdir()
+                       if path.name.startswith("vramguard-") and "-files." not in path.name)
+    assert [name for name in downloads if name.endswith(".exe")] == [
+        f"vramguard-{VERSION}-setup.exe"]
+    parts = [name for name in downloads if name != f"vramguard-{VERSION}-setup.exe"]
+    assert len(parts) >= 2 and all(re.fullmatch(
+        rf"vramguard-{re.escape(VERSION)}-setup\.part\d+\.bin", name) for name in parts)
 
 
 def part_lists(small_installer: Path) -> list[Path]:
@@ -209,7 +222,7 @@ def test_a_missing_part_stops_the_setup_and_leaves_nothing(small_installer, wine
 
 @needs_wine
 def test_a_part_run_by_hand_installs_nothing(small_installer, wine):
-    part = small_installer / f"vramguard-{VERSION}-setup.part2.exe"
+    part = small_installer / f"vramguard-{VERSION}-setup.part2.bin"
     # Without /FROMSETUP a part explains itself (a message box; /S answers it) and stops.
     wine.run(part, "/S")
     assert not wine.install_dir.exists()

@@ -96,7 +96,7 @@ def test_the_installer_carries_the_real_bundle_in_parts_under_nsis_limit(dist, s
 
     wine = WinePrefix(scratch / "prefix")
     assert wine.run(out / f"vramguard-{VERSION}-setup.exe", "/S") == 0
-    for installer in out.glob("*.exe"):
+    for installer in [*out.glob("*.exe"), *out.glob("*.bin")]:
         installer.unlink()
     installed = verify_checksums(wine.install_dir, out / f"vramguard-{VERSION}-files.sha256")
     assert installed == report["files"]

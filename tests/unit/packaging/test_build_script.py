@@ -148,7 +148,7 @@ def test_the_workflow_builds_the_way_the_readme_says_in_several_parts():
     assert build["shell"] == "cmd"
     assert re.search(r"^powershell -NoProfile -ExecutionPolicy Bypass -File \.\\build\.ps1 "
                      r"(-Python \"[^\"]+\" )?-Cpu .*-PartSizeMB \d+", build["run"])
-    step_running(steps, "vramguard-*-setup.part*.exe", "throw")
+    step_running(steps, "vramguard-*-setup.part*.bin", "throw")
     step_running(steps, ".venv-build-cpu\\Scripts\\python.exe packaging\\smoke.py")
 
 
@@ -188,7 +188,7 @@ def test_the_workflow_builds_with_its_python_and_once_the_release_way():
     release = workflow_steps("release-build")
     build = release[step_running(release, "build.ps1")]["run"]
     assert not re.search(r"-Cpu|-Compressor|-PartSizeMB", build), build
-    step_running(release, "vramguard-*-setup.part*.exe", "throw")
+    step_running(release, "vramguard-*-setup.part*.bin", "throw")
 
 
 def test_the_workflow_shows_the_first_day_items_on_windows():
