@@ -445,3 +445,48 @@ def test_the_progress_bar_moves_while_each_part_installs(small_installer, nsis_d
     assert seen and seen == sorted(seen), seen  # never backwards
     assert set(ends) <= set(seen), (ends, seen)
     assert seen[-1] == PROGRESS_END
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {path.relative_to(folder).as_posix(): path.read_bytes()
+            for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+@needs_wine
+def test_an_upgrade_keeps_an_older_versions_data_and_it_is_never_misread(
+        small_installer, wine, tmp_path):
+    """Issue 27, item 8: the data an older vramguard left in %LOCALAPPDATA%\\vramguard (a
+    result pickled by diskcache's stock storage, as vramguards before the bytes-only
+    cache wrote them, here saying the espresso is a teapot; a stored profile of an older
+    format with absurd figures; the config and the token) comes through an upgrade byte
+    for byte, and the new version reads none of it as its own: the espresso is an
+    espresso again and the profile is measured again."""
+    import diskcache
+    from images import photo
+    from live_server import live_server
+
+    setup = small_installer / f"vramguard-{VERSION}-setup.exe"
+    assert wine.run(setup, "/S") == 0
+    data = wine.data_dir
+    cache_dir, profile_dir = data / "Cache" / "results", data / "Cache" / "profiles"
+    env = {"VRAMGUARD_CACHE_DIR": str(cache_dir), "VRAMGUARD_PROFILE_DIR": str(profile_dir)}
+    jpeg = {"Content-Type": "image/jpeg"}
+    with live_server(tmp_path, env=env) as server, server.client() as client:
+        assert client.post("/v1/classify", content=photo(),
+                           headers=jpeg).json()["predictions"][0]["label"] == "espresso"
+    with diskcache.Cache(str(cache_dir)) as cache:  # the stock Disk: pickles the value
+        [key] = list(cache.iterkeys())
+        cache.set(key, {"predictions": [{"label": "teapot", "score": 1.0}]})
+    [profile] = profile_dir.glob("*.json")
+    stored = json.loads(profile.read_text())
+    profile.write_text(json.dumps({**stored, "format": 0, "weights_bytes": 1}))
+    (data / "config.toml").write_text("rate_limit = false\n")
+    before = _snapshot(data)
+
+    assert wine.run(setup, "/S") == 0  # the upgrade
+    assert _snapshot(data) == before
+
+    with live_server(tmp_path, env=env) as server, server.client() as client:
+        answer = client.post("/v1/classify", content=photo(), headers=jpeg).json()
+        assert answer["predictions"][0]["label"] == "espresso", answer
+    assert json.loads(profile.read_text())["format"] != 0  # measured again, stored anew
