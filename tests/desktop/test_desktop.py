@@ -355,16 +355,20 @@ def test_the_menu_lists_the_models_and_unloads_one(tmp_path):
     assert "Traceback" not in log
 
 
+def launcher_env(desktop_env: dict[str, str], home: Path) -> dict[str, str]:
+    """The desktop's environment for a `vramguard run` whose user folders are in ``home``."""
+    return {**{k: v for k, v in desktop_env.items() if not k.startswith("VRAMGUARD_")},
+            **{var: str(home / var.lower()) for var in USER_DIRS},
+            "VRAMGUARD_TOKEN_FILE": str(home / "admin-token"), "VRAMGUARD_CACHE": "0"}
+
+
 def test_stop_ends_the_server_and_the_tray_that_started_it(tmp_path):
     """What the installer does before replacing files: `vramguard stop` while the desktop
     launcher (`run`: server + tray) is running ends both, cleanly."""
     with ExitStack() as stack:
         env = desktop(stack, tmp_path)
         port = str(free_port())
-        home = tmp_path / "home"
-        run_env = {**{k: v for k, v in env.items() if not k.startswith("VRAMGUARD_")},
-                   **{var: str(home / var.lower()) for var in USER_DIRS},
-                   "VRAMGUARD_TOKEN_FILE": str(home / "admin-token"), "VRAMGUARD_CACHE": "0"}
+        run_env = launcher_env(env, tmp_path / "home")
         with (tmp_path / "run.log").open("wb") as sink:
             launcher = subprocess.Popen(["dbus-run-session", "--", sys.executable, "-m", "app",
                                          "run", "--port", port], env=run_env, stdout=sink,
@@ -404,10 +408,7 @@ def test_two_launches_half_a_second_apart_give_one_server(tmp_path):
     with ExitStack() as stack:
         env = desktop(stack, tmp_path)
         port = str(free_port())
-        home = tmp_path / "home"
-        run_env = {**{k: v for k, v in env.items() if not k.startswith("VRAMGUARD_")},
-                   **{var: str(home / var.lower()) for var in USER_DIRS},
-                   "VRAMGUARD_TOKEN_FILE": str(home / "admin-token"), "VRAMGUARD_CACHE": "0"}
+        run_env = launcher_env(env, tmp_path / "home")
         said = tmp_path / "notifications.jsonl"
         run = [sys.executable, "-m", "app", "run", "--port", port]
         with (tmp_path / "first.log").open("wb") as sink:
