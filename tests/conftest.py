@@ -28,6 +28,13 @@ TIER_MARKERS = {
     "cluster": ("slow", "cluster"),
 }
 FAST_TIERS = frozenset({"unit", "inprocess"})
+LANES = {"live": "servers", "desktop": "servers", "cluster": "servers",
+         "packaging": "packaging"}
+"""With pytest-xdist (pyproject.toml: two workers), each lane runs on one worker, in
+order: tests that start servers never run two at once (their deadlines are set for one
+machine's worth of CPU), while the bundle and the installer, mostly disk and one core,
+build beside them at a lower priority (tests/packaging/test_packaging.py). The fast tiers
+fill in, a file at a time, wherever a worker is free."""
 
 
 def tier_of(path: Path) -> str:
@@ -45,6 +52,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                                     f"(one of {sorted(FAST_TIERS | set(TIER_MARKERS))})")
         for marker in TIER_MARKERS[tier]:
             item.add_marker(marker)
+
+
+def lane_of(nodeid: str) -> str:
+    """The unit of work pytest-xdist gives one worker: a lane's name, or a fast test's
+    file. (xdist's own loadgroup marks are not honoured with this pytest.)"""
+    path = nodeid.split("::", 1)[0]
+    parts = path.split("/")
+    tier = parts[1] if len(parts) > 2 and parts[0] == "tests" else ""
+    return LANES.get(tier, path)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """pytest-xdist's scheduler by scope, with the lanes as scopes: the largest first,
+    one to each worker, then the fast tiers' files to whichever is free."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Lanes(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return lane_of(nodeid)
+
+    return Lanes(config, log)
 
 
 @pytest.fixture(scope="module")

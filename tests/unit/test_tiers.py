@@ -5,6 +5,7 @@ from the files themselves (``ast``), without running pytest."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -113,3 +114,25 @@ def test_no_two_test_files_share_a_name():
     for path in sorted(TESTS.rglob("test_*.py")):
         assert path.name not in seen, f"{path} and {seen[path.name]} share a name"
         seen[path.name] = path
+
+
+def test_every_test_that_starts_servers_is_in_one_lane_and_the_bundle_in_another():
+    """The lanes pytest-xdist's two workers run (tests/conftest.py): every live, desktop
+    and cluster test in one, so that no two of them ever run at once; the packaging tier
+    in the other; a fast test's unit is its file."""
+    # Loaded by path: under xdist, ``import conftest`` finds whichever tier's conftest
+    # is first on sys.path (tests/desktop/conftest.py was seen).
+    spec = importlib.util.spec_from_file_location("suite_conftest", TESTS / "conftest.py")
+    assert spec is not None and spec.loader is not None
+    suite = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(suite)
+    lane_of = suite.lane_of
+
+    assert lane_of("tests/live/test_api.py::test_x[a::b]") == "servers"
+    assert lane_of("tests/desktop/test_desktop.py::test_y") == "servers"
+    assert lane_of("tests/cluster/test_cluster.py::test_z") == "servers"
+    assert lane_of("tests/packaging/test_installer.py::test_w") == "packaging"
+    assert lane_of("tests/unit/tray/test_tray_app.py::test_v") == \
+        "tests/unit/tray/test_tray_app.py"
+    assert lane_of("tests/inprocess/test_oip.py::test_u") == "tests/inprocess/test_oip.py"
+    assert set(_conftest_value("LANES")) == set(TIER_MARKERS)  # every slow tier has a lane
