@@ -220,9 +220,9 @@ class MemoryReport(BaseModel):
     idle_releases: int
     cache_empties: int
     # Diagnostics; defaults keep the reports of servers that predate them readable.
-    fragmentation_releases: int = Field(0, description="Idle periods at which the cache held "
-                                        "at least 5 times what tensors used, and was "
-                                        "emptied.")
+    fragmentation_releases: int = Field(0, description="Idle periods at which at least half "
+                                        "the cache was free space split between blocks in "
+                                        "use (fragmented), and the cache was emptied.")
     leak_suspected: bool = Field(False, description="Memory left in use has risen at "
                                  "several idle periods: something keeps tensors alive. "
                                  "Separate from state.")

@@ -45,7 +45,8 @@ def run_doctor(settings: Settings, config_file: Path) -> int:
     line(PER_BATCH.name.lower(), f"{human_bytes(fit.fixed_bytes)}, "
          f"{PER_IMAGE.name.lower()} {human_bytes(fit.bytes_per_sample)} (measured at warmup)")
     reading, probe = runtime.probe.read(), runtime.probe
-    line(GPU_CACHE.name, cache_verdict(reading.device, reading.allocated, reading.reserved))
+    line(GPU_CACHE.name, cache_verdict(reading.device, reading.allocated, reading.reserved,
+                                       reading.inactive_split))
     line("leak check", leak_check_verdict(not isinstance(probe, CpuProbe) or probe.tracker
                                           is not None, settings.idle_release_s or IDLE_PERIOD_S))
     print(f"   {LIMIT.name.lower()} and {ROOM_FOR_IMAGES.name.lower()}:")

@@ -3,8 +3,8 @@ recovery, timed for the adaptive batch size and the CPU's thread count, its memo
 shown to every guard.
 
 The rules: a batch split by an OOM recovery is not timed (its time is not a batch's); a
-sticky CUDA error fails the engine for good, and no batch queued before it touches the
-device again.
+sticky CUDA error, in the forward pass or in the memory calls around it, fails the engine
+for good, and no batch queued before it touches the device again.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from collections.abc import Callable
 
 from app.engine.batcher import MicroBatcher
 from app.engine.cpu_threads import CpuThreads
-from app.engine.oom import DeviceFailed, Outcome
+from app.engine.oom import DeviceFailed, ErrorKind, Outcome, classify_error, first_line
 from app.engine.predictor import Sample
-from app.engine.runtime import Health, LoadedModels, Phase, Runtime
+from app.engine.runtime import Health, LoadedModels, Runtime
 from app.memory.allocations import LargeAllocationWatch
 from app.schemas import GuardState
 
@@ -62,21 +62,39 @@ class BatchRun:
                                         guard.profiled.peak(len(samples))):
                 outcomes = runtime.recovery(samples)
         except DeviceFailed as exc:
-            health.phase, health.error, health.device_lost = Phase.FAILED, str(exc), True
+            health.device_failed(str(exc))
             raise health.not_ready() from None
+        except Exception as exc:  # a sticky error raised outside the forward pass
+            if classify_error(exc) is ErrorKind.DEVICE_LOST:  # (the recovery's empty_cache)
+                health.device_failed(first_line(exc))
+                raise health.not_ready() from None
+            raise
         self.models.counted(name).sizes[len(samples)] += 1
         took = time.perf_counter() - started if guard.counters.oom_events == ooms else None
         if self.cpu_threads is not None:
             self.cpu_threads.record(took)
         if runtime.batch_size is not None and took is not None:
             self._adapt(name, runtime, len(samples), took)
+        try:
+            self._after(runtime, len(samples))
+        except Exception as exc:
+            if classify_error(exc) is ErrorKind.DEVICE_LOST:
+                health.device_failed(first_line(exc))
+                log.exception("the GPU failed after a batch of %s", name)
+            else:
+                raise
+        return outcomes
+
+    def _after(self, runtime: Runtime, images: int) -> None:
+        """The batch's memory use, shown to every guard; the cache given back when they
+        shed. Its answers are kept if the device fails here: they are already computed."""
+        guard, probe = runtime.guard, runtime.probe
         measured = probe.batch_peak()
-        usage = measured if measured is not None else guard.fit.peak(len(samples))
+        usage = measured if measured is not None else guard.fit.peak(images)
         usage = max(usage, probe.held())
         self.after_batch(usage)
         if self.models.observe(usage) is GuardState.SHEDDING:
             probe.empty_cache()
-        return outcomes
 
     def _adapt(self, name: str, runtime: Runtime, images: int, seconds: float) -> None:
         """Feed a batch's time to the model's batch-size estimate; move its batch size

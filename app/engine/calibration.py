@@ -22,7 +22,13 @@ import torch
 
 from app.config import Settings
 from app.engine.batch_size import AdaptiveBatchSize
-from app.engine.oom import ErrorKind, OomRecovery, classify_error, unless_out_of_memory
+from app.engine.oom import (
+    ErrorKind,
+    NoEngine,
+    OomRecovery,
+    classify_error,
+    unless_out_of_memory,
+)
 from app.engine.predictor import Predictor, Sample
 from app.engine.profiles import ModelProfile, ProfileKey, ProfileStore, device_identity
 from app.engine.residency import Footprint
@@ -118,6 +124,7 @@ class Calibration:
         key = self.profile_key(model.name, model.weights_version)
         stored = self.profiles.get(key)
         reused = stored if stored is not None and not stored.out_of_memory_on_load else None
+        ooms = probe.allocator_ooms()
         try:
             if reused is not None:
                 warmup, points, chosen = self._reuse(predictor, probe, reused, started)
@@ -128,9 +135,13 @@ class Calibration:
                 self.store(key, size, warmup, points, chosen)
         except Exception as exc:
             models.set_weights(models.weights_total())
-            if isinstance(exc, OutOfMemoryAtWarmup) or (
-                    classify_error(exc) is ErrorKind.OUT_OF_MEMORY):
+            if isinstance(exc, OutOfMemoryAtWarmup):
                 raise OutOfMemoryAtWarmup() from None
+            kind = classify_error(exc, probe.allocator_ooms() > ooms)
+            if kind is ErrorKind.OUT_OF_MEMORY:
+                raise OutOfMemoryAtWarmup() from None
+            if kind is ErrorKind.NO_ENGINE:
+                raise NoEngine(exc) from exc
             raise
         probe.empty_cache()
         give_back_to_os()  # warmup's largest batch would stay resident on the host
@@ -199,10 +210,12 @@ class Calibration:
         chosen = self.settings.batch_size or choose_batch_size(
             timings or stored.timings[:1], self.settings.target_latency_ms / 1000)
         chosen = min(chosen, stored.points[-1][0])
+        ooms = probe.allocator_ooms()
         try:
             predictor(predictor.random_batch(chosen))
         except Exception as exc:
-            if chosen == 1 or classify_error(exc) is not ErrorKind.OUT_OF_MEMORY:
+            if chosen == 1 or classify_error(
+                    exc, probe.allocator_ooms() > ooms) is not ErrorKind.OUT_OF_MEMORY:
                 raise
             log.warning("%s: a batch of %d no longer fits in memory while loading; warming "
                         "up with one image", stored.key.model, chosen)
@@ -217,8 +230,9 @@ class Calibration:
         batch = predictor.random_batch(1)
         predictor(batch)
         peak = unless_out_of_memory(
-            functools.partial(probe.measure_peak, functools.partial(predictor, batch)))
-        took = timed(predictor, batch)
+            functools.partial(probe.measure_peak, functools.partial(predictor, batch)),
+            probe.allocator_ooms)
+        took = timed(predictor, batch, ooms=probe.allocator_ooms)
         if peak is None or took is None:
             probe.empty_cache()
             raise OutOfMemoryAtWarmup()
@@ -239,7 +253,8 @@ class Calibration:
 
         warmup = yield from profile_steps(predictor, self.settings.max_batch_size,
                                           self.settings.target_latency_ms / 1000,
-                                          build=inputs, free=probe.empty_cache)
+                                          build=inputs, free=probe.empty_cache,
+                                          ooms=probe.allocator_ooms)
         chosen = self.settings.batch_size or warmup.chosen_batch_size
         tried = [t.batch_size for t in warmup.timings]
         if warmup.out_of_memory_at is not None and chosen >= warmup.out_of_memory_at:
@@ -282,7 +297,8 @@ def memory_point_steps(predictor: Predictor, probe: Probe,
     for size in sizes:
         batch = inputs(size)
         peak = unless_out_of_memory(
-            functools.partial(probe.measure_peak, functools.partial(predictor, batch)))
+            functools.partial(probe.measure_peak, functools.partial(predictor, batch)),
+            probe.allocator_ooms)
         if peak is None:
             probe.empty_cache()
             if not points:

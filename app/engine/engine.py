@@ -36,7 +36,7 @@ from app.engine.cpu_threads import CpuThreads
 from app.engine.device import cpu_fallback_reason, resolve_device
 from app.engine.lanes import Reservation
 from app.engine.loading import Loading, LoadSteps
-from app.engine.oom import Outcome
+from app.engine.oom import ErrorKind, Outcome, classify_error, first_line
 from app.engine.predictor import Prediction, Sample
 from app.engine.profiles import ProfileKey, ProfileStore
 from app.engine.profiling import BackgroundProfiles
@@ -357,8 +357,17 @@ class InferenceEngine:
         return self.calibration.profile_key(name, weights_version)
 
     def tick(self) -> MemoryReading | None:
-        """The memory monitor's once a second (see ``app.engine.upkeep``)."""
-        return self.upkeep.tick()
+        """The memory monitor's once a second (see ``app.engine.upkeep``). A sticky CUDA
+        error here (``mem_get_info``, the synchronize in ``empty_cache``) fails the engine
+        as one in a batch does: /readyz must not say ready over a broken GPU."""
+        try:
+            return self.upkeep.tick()
+        except Exception as exc:
+            if classify_error(exc) is not ErrorKind.DEVICE_LOST:
+                raise
+            log.exception("the GPU failed in the memory monitor")
+            self.health.device_failed(first_line(exc))
+            return None
 
     def release(self) -> tuple[int, int]:
         """Empty the allocator cache and trust the profile again; bytes held before/after."""

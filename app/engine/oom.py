@@ -7,9 +7,22 @@ halves fit; a single image that still does not fit gets 503
 On CUDA, running out of memory does not always arrive as ``torch.OutOfMemoryError``
 (the caching allocator's own error). A kernel launch or a lazily loaded module raises
 ``torch.AcceleratorError`` ("CUDA error: out of memory"); cuDNN and cuBLAS raise plain
-``RuntimeError``s when their workspace cannot be allocated, and when PyTorch's cuDNN
-convolution has swallowed its workspace OOMs while trying engines, it ends with "unable to
-find an engine" (pytorch/pytorch#108645). All of these are the same event for the guard.
+``RuntimeError``s when their workspace or handle cannot be allocated (cuDNN 9 words it
+``CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED``; ``cublasCreate`` fails with
+``CUBLAS_STATUS_NOT_INITIALIZED``; a JIT-compiled kernel's own allocation surfaces as
+``CUDNN_STATUS_EXECUTION_FAILED_CUDA_DRIVER`` with the driver's error 2). All of these are
+the same event for the guard.
+
+PyTorch's cuDNN convolution tries engine after engine and swallows every error on the way,
+so "unable to find an engine" (pytorch/pytorch#108645) may end a run of workspace OOMs or
+mean that this GPU, or this number format, has no engine at all. It is counted as out of
+memory only when the caching allocator's ``num_ooms`` rose during the call; otherwise it
+is ``NoEngine``, with a plain message, and nothing is learned about memory.
+
+cuDNN's ``HOST_ALLOCATION_FAILED`` is the computer's memory, not the GPU's: splitting the
+batch would teach the guard a GPU cost that does not exist and would not free host memory
+that other programs took. The batch is answered 503 (try again later) and the guard is
+left as it was.
 
 A *sticky* CUDA error (an illegal memory access, a failed launch, a device-side assert)
 is different: the CUDA context is broken for the rest of the process and every later call
@@ -39,31 +52,49 @@ T = TypeVar("T")
 
 CUDA_ERROR_MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation
 # cudaError_t codes after which the context is unusable (CUDA runtime API, "sticky" errors):
-# uncorrectable ECC, illegal address, launch timeout, device assert, hardware stack error,
-# illegal instruction, misaligned address, invalid address space, invalid PC, launch failure.
-STICKY_CUDA_ERRORS = frozenset({214, 700, 702, 710, 714, 715, 716, 717, 718, 719})
+# devices unavailable, no device, uncorrectable ECC, illegal address, launch timeout,
+# context destroyed, device assert, hardware stack error, illegal instruction, misaligned
+# address, invalid address space, invalid PC, launch failure, unknown (a GPU off the bus).
+STICKY_CUDA_ERRORS = frozenset({46, 100, 214, 700, 702, 709, 710, 714, 715, 716, 717, 718,
+                                719, 999})
 # The same errors as the CUDA runtime words them, for exceptions that carry no code.
 _STICKY_MESSAGES = re.compile(
     "illegal memory access|unspecified launch failure|device-side assert|"
     "illegal instruction|misaligned address|launch timed out|uncorrectable ECC|"
-    "hardware stack error|invalid program counter|not supported on global/shared address",
+    "hardware stack error|invalid program counter|not supported on global/shared address|"
+    "CUDA error: unknown error|busy or unavailable|no CUDA-capable device is detected|"
+    "context is destroyed",
     re.IGNORECASE)
-# cuDNN, cuBLAS, cuSOLVER, cuSPARSE and cuFFT's own allocation failures, the CUDA runtime's
-# (torch < 2.8 raised it as a plain RuntimeError), and cuDNN's "no engine" after it has
-# swallowed its workspace OOMs.
+# The GPU's memory ran out, as the CUDA runtime and driver, cuDNN (8: ALLOC_FAILED, 9:
+# DEVICE_ALLOCATION_FAILED), cuBLAS, cuSOLVER, cuSPARSE and cuFFT word it (torch < 2.8
+# raised the runtime's as a plain RuntimeError).
 _OOM_MESSAGES = re.compile(
-    r"\bCU\w*_ALLOC_FAILED\b|CUDA error: out of memory|unable to find an engine")
+    r"\bCU\w*_ALLOC_FAILED\b|_DEVICE_ALLOCATION_FAILED\b|CUDA error: out of memory|"
+    r"\bCUDA_ERROR_OUT_OF_MEMORY\b|\bCUBLAS_STATUS_NOT_INITIALIZED\b|"
+    r"\bCUDNN_STATUS_EXECUTION_FAILED_CUDA_DRIVER\b.*\berr(?:or)?\W{0,3}2\b",
+    re.DOTALL)
+_HOST_OOM_MESSAGES = re.compile(r"_HOST_ALLOCATION_FAILED\b")
+_NO_ENGINE = re.compile("unable to find an engine")
 
 
 class ErrorKind(enum.Enum):
     OUT_OF_MEMORY = "out_of_memory"
+    HOST_OUT_OF_MEMORY = "host_out_of_memory"
+    NO_ENGINE = "no_engine"
     DEVICE_LOST = "device_lost"
     OTHER = "other"
 
 
-def classify_error(exc: BaseException) -> ErrorKind:
-    """What a failed forward pass means: out of memory (split and retry), a lost CUDA
-    context (stop serving), or anything else (fail the batch as before)."""
+def no_count() -> int:
+    """The allocator's failure count where there is no caching allocator (the CPU)."""
+    return 0
+
+
+def classify_error(exc: BaseException, ooms_rose: bool = False) -> ErrorKind:
+    """What a failed call on the device means: the GPU out of memory (split and retry),
+    the computer out of memory, no cuDNN engine for this GPU, a lost CUDA context (stop
+    serving), or anything else (fail the batch as before). ``ooms_rose``: the caching
+    allocator counted a failure during the call (what makes "no engine" an OOM)."""
     if isinstance(exc, torch.OutOfMemoryError):
         return ErrorKind.OUT_OF_MEMORY
     if not isinstance(exc, RuntimeError):
@@ -74,20 +105,49 @@ def classify_error(exc: BaseException) -> ErrorKind:
         return ErrorKind.OUT_OF_MEMORY
     if isinstance(exc, torch.AcceleratorError) and "out of memory" in text.lower():
         return ErrorKind.OUT_OF_MEMORY
+    if _HOST_OOM_MESSAGES.search(text):
+        return ErrorKind.HOST_OUT_OF_MEMORY
+    if _NO_ENGINE.search(text):
+        return ErrorKind.OUT_OF_MEMORY if ooms_rose else ErrorKind.NO_ENGINE
     if code in STICKY_CUDA_ERRORS or _STICKY_MESSAGES.search(text):
         return ErrorKind.DEVICE_LOST
     return ErrorKind.OTHER
 
 
-def unless_out_of_memory(fn: Callable[[], T]) -> T | None:
-    """``fn()``, or None when it ran out of memory (in any of the forms CUDA has); other
-    errors are raised. On return the exception and the frames it held are gone."""
+def first_line(exc: BaseException) -> str:
+    """An error's first line, or its type's name when it has no message."""
+    text = str(exc)
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+class NoEngine(RuntimeError):
+    """cuDNN has no way to run this model on this GPU, and memory was not the reason."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(
+            "The graphics card's cuDNN library found no way to run this model (the card or "
+            "the model's number format is not supported by it); memory was not the cause. "
+            f"Run it on the CPU instead (device = cpu). cuDNN said: {first_line(cause)}")
+
+
+def unless_out_of_memory(fn: Callable[[], T], ooms: Callable[[], int] = no_count) -> T | None:
+    """``fn()``, or None when it ran out of the GPU's memory (in any of the forms CUDA
+    has); other errors are raised (``NoEngine`` for cuDNN's). ``ooms`` reads the caching
+    allocator's failure count. On return the exception and the frames it held are gone."""
+    before = ooms()
     try:
         return fn()
     except Exception as exc:
-        if classify_error(exc) is not ErrorKind.OUT_OF_MEMORY:
+        kind = classify_error(exc, ooms() > before)
+        if kind is ErrorKind.NO_ENGINE:
+            raise NoEngine(exc) from exc
+        if kind is not ErrorKind.OUT_OF_MEMORY:
             raise
     return None
+
+
+HOST_MEMORY_MESSAGE = ("The computer (not the graphics card) ran out of memory for this "
+                       "request. Close other programs, or try again later.")
 
 
 class DeviceFailed(RuntimeError):
@@ -106,16 +166,24 @@ class OomRecovery:
 
     def __call__(self, samples: list[Sample]) -> list[Outcome]:
         lost: str | None = None
+        ooms = self.probe.allocator_ooms()
         try:
             with self.probe.forward_scope():
                 return list(self.forward(samples))
         except Exception as exc:
-            kind = classify_error(exc)
+            kind = classify_error(exc, self.probe.allocator_ooms() > ooms)
+            if kind is ErrorKind.NO_ENGINE:
+                raise NoEngine(exc) from exc
             if kind is ErrorKind.OTHER:
                 raise
+            if kind is ErrorKind.HOST_OUT_OF_MEMORY:
+                log.warning("the computer ran out of memory in a batch of %d: %s",
+                            len(samples), first_line(exc))
+                return [InsufficientMemory(HOST_MEMORY_MESSAGE, retry_after=5)
+                        for _ in samples]
             if kind is ErrorKind.DEVICE_LOST:
                 log.exception("the GPU failed in a batch of %d", len(samples))
-                lost = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                lost = first_line(exc)
         # Outside the except block the exception, its traceback and the frames that held
         # the batch's activations are gone, so the memory can really be given back.
         if lost is not None:

@@ -60,6 +60,10 @@ class Health:
     def ready(self) -> bool:
         return self.phase is Phase.READY
 
+    def device_failed(self, message: str) -> None:
+        """A sticky CUDA error: the engine stops serving, and the process must restart."""
+        self.phase, self.error, self.device_lost = Phase.FAILED, message, True
+
     def not_ready_message(self) -> str:
         if self.phase is Phase.FAILED and self.device_lost:
             return (f"The graphics card stopped working ({self.error}). This vramguard "

@@ -108,12 +108,12 @@ class Upkeep:
         always with idle release on, and whatever the setting when it is fragmented."""
         reading = runtime.probe.read()
         diagnostics = self.reports.diagnosed(reading)
-        found = diagnostics.idle(reading.allocated, reading.reserved)
+        found = diagnostics.idle(reading.allocated, reading.reserved, reading.inactive_split)
         if found.fragmented or (self.settings.idle_release_s and not self._released):
             self.release(runtime)
             runtime.guard.counters.idle_releases += 1
             log.info("idle for %.0f s: cached memory given back%s", idle,
-                     " (it held 5 or more times what was in use: fragmented)"
+                     " (fragmented: only the wholly free part could be given back)"
                      if found.fragmented else "")
         if isinstance(runtime.probe, CudaProbe):
             self._trace_leak(found)

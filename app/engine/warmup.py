@@ -24,7 +24,7 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from app.engine.oom import unless_out_of_memory
+from app.engine.oom import no_count, unless_out_of_memory
 
 log = logging.getLogger("vramguard.engine")
 Inputs = TypeVar("Inputs")  # whatever ``build`` makes for one batch
@@ -113,14 +113,16 @@ class OutOfMemoryAtWarmup(RuntimeError):
 
 
 def timed(run: Callable[[Inputs], object], inputs: Inputs,
-          clock: Callable[[], float] = time.perf_counter) -> float | None:
-    """Seconds ``run(inputs)`` took; None when it ran out of memory."""
+          clock: Callable[[], float] = time.perf_counter,
+          ooms: Callable[[], int] = no_count) -> float | None:
+    """Seconds ``run(inputs)`` took; None when it ran out of memory (``ooms``: the
+    allocator's failure count, see ``unless_out_of_memory``)."""
     def call() -> float:
         t0 = clock()
         run(inputs)
         return clock() - t0
 
-    return unless_out_of_memory(call)
+    return unless_out_of_memory(call, ooms)
 
 
 def _nothing() -> None:
@@ -136,6 +138,7 @@ def profile_steps(
     *,
     build: Callable[[int], Inputs],
     free: Callable[[], None] = _nothing,
+    ooms: Callable[[], int] = no_count,
 ) -> Steps[WarmupTimings]:
     """Time ``run(build(batch_size))`` and choose a batch size; ``build`` is not timed.
     A step after each pass; the time between steps (batches served) is not counted.
@@ -153,8 +156,8 @@ def profile_steps(
         batch = build(size)
         # The first pass at a new shape pays for allocation and kernel choice.
         step = clock()
-        first = timed(run, batch, clock)
-        took = None if first is None else timed(run, batch, clock)
+        first = timed(run, batch, clock, ooms)
+        took = None if first is None else timed(run, batch, clock, ooms)
         spent += clock() - step
         yield
         if took is None:
@@ -174,7 +177,7 @@ def profile_steps(
     for _ in range(repeats):
         for size in list(samples):
             step = clock()
-            took = timed(run, inputs[size], clock)
+            took = timed(run, inputs[size], clock, ooms)
             spent += clock() - step
             yield
             if took is None:  # memory got scarcer since (another program): stop there

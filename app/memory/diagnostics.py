@@ -17,9 +17,13 @@ from dataclasses import dataclass
 
 from app.units import human_bytes
 
-# The usual advice for a serving process: a cache holding 5 times what tensors use while
-# nothing runs is mostly blocks split too finely to reuse; give it back.
-FRAGMENTATION_RATIO = 5
+# Fragmented: at least half of what the cache holds is free space inside segments that
+# also hold live blocks (``inactive_split_bytes``), which no allocation of another size can
+# use and ``empty_cache`` cannot return (it frees only wholly free segments). Reserved
+# against allocated says nothing of it: a warm GPU caches many times its weights.
+FRAGMENTED_SHARE = 0.5
+# Below this the split space is the allocator's rounding around the weights.
+FRAGMENTED_MIN_BYTES = 64 * 1024**2
 # A leak shows as memory left in use that rises at several idle periods without falling.
 # One rise is normal (a library allocates its workspace once, at first use).
 LEAK_RISES = 3
@@ -30,22 +34,24 @@ BASELINES_KEPT = 8
 IDLE_PERIOD_S = 60.0
 
 
-def is_fragmented(allocated: int, reserved: int) -> bool:
-    """Whether the cache holds at least FRAGMENTATION_RATIO times what tensors use."""
-    return allocated > 0 and reserved >= FRAGMENTATION_RATIO * allocated
+def is_fragmented(inactive_split: int, reserved: int) -> bool:
+    """Whether at least FRAGMENTED_SHARE of the cache is split free space (and more than
+    FRAGMENTED_MIN_BYTES of it)."""
+    return (inactive_split >= FRAGMENTED_MIN_BYTES
+            and inactive_split >= FRAGMENTED_SHARE * reserved)
 
 
-def cache_verdict(device: str, allocated: int, reserved: int) -> str:
+def cache_verdict(device: str, allocated: int, reserved: int, inactive_split: int) -> str:
     """One line for `vramguard doctor` about the allocator cache right now."""
     if device == "cpu":
         return ("none on the CPU (freed memory goes straight back to the system), so it "
                 "cannot fragment")
-    held = f"{human_bytes(reserved)} held for {human_bytes(allocated)} in use"
-    if is_fragmented(allocated, reserved):
-        return (f"{held}: fragmented (at least {FRAGMENTATION_RATIO} times); vramguard "
-                "empties it at the next idle period")
-    return (f"{held}: fine (vramguard empties it when idle if it holds "
-            f"{FRAGMENTATION_RATIO} times what is in use)")
+    held = (f"{human_bytes(reserved)} held for {human_bytes(allocated)} in use, "
+            f"{human_bytes(inactive_split)} of it free space split between blocks in use")
+    if is_fragmented(inactive_split, reserved):
+        return (f"{held}: fragmented (at least {FRAGMENTED_SHARE:.0%}); emptying the cache "
+                "cannot give that part back, a restart of vramguard does")
+    return f"{held}: fine (fragmented from {FRAGMENTED_SHARE:.0%})"
 
 
 def leak_check_verdict(tracked: bool, idle_s: float) -> str:
@@ -84,7 +90,7 @@ class MemoryDiagnostics:
         """Bytes held at the last idle period beyond what was held after warmup."""
         return max(0, self.baselines[-1] - self.warm_allocated) if self.baselines else 0
 
-    def idle(self, allocated: int, reserved: int) -> IdleFindings:
+    def idle(self, allocated: int, reserved: int, inactive_split: int = 0) -> IdleFindings:
         """Take the reading of one idle period (before any cache is emptied).
 
         The leak flag goes up after LEAK_RISES rises with no fall between them (a quiet
@@ -103,7 +109,7 @@ class MemoryDiagnostics:
             self.leak_suspected = True
         elif allocated - self.warm_allocated < LEAK_MIN_STEP:
             self.leak_suspected = False
-        fragmented = is_fragmented(allocated, reserved)
+        fragmented = is_fragmented(inactive_split, reserved)
         if fragmented:
             self.fragmentation_releases += 1
         return IdleFindings(fragmented, self._rises > 0, self.leak_suspected and not was)

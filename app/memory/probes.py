@@ -41,6 +41,7 @@ class MemoryReading:
     peak_reserved: int
     source: str
     process: int
+    inactive_split: int = 0  # free bytes inside segments that also hold live blocks
 
     @property
     def overhead(self) -> int:
@@ -130,6 +131,7 @@ class CudaProbe:
 
     def read(self) -> MemoryReading:
         total, used, free, source = self._device_memory()
+        stats = torch.cuda.memory_stats_as_nested_dict(self.device)
         return MemoryReading(
             device=str(self.device), total=total, used=used, free=free,
             allocated=torch.cuda.memory_allocated(self.device),
@@ -137,7 +139,15 @@ class CudaProbe:
             peak_allocated=max(self._peak_allocated,
                                torch.cuda.max_memory_allocated(self.device)),
             peak_reserved=max(self._peak_reserved, torch.cuda.max_memory_reserved(self.device)),
-            source=source, process=self.process_used() or torch.cuda.memory_reserved(self.device))
+            source=source, process=self.process_used() or torch.cuda.memory_reserved(self.device),
+            inactive_split=int(stats.get("inactive_split_bytes", {}).get("all", {})
+                               .get("current", 0)))
+
+    def allocator_ooms(self) -> int:
+        """How many allocations the caching allocator has failed (``num_ooms``): its
+        rise during a call is what tells a swallowed OOM from another failure. The nested
+        form, which is not flattened and sorted, is the cheap one (once per batch)."""
+        return int(torch.cuda.memory_stats_as_nested_dict(self.device).get("num_ooms", 0))
 
     def process_used(self) -> int | None:
         """This process's use of the whole GPU, where NVML is the source and lists it by
@@ -236,6 +246,10 @@ class CpuProbe:
             free=memory.available, allocated=allocated, reserved=allocated,
             peak_allocated=peak, peak_reserved=self._peak_reserved,
             source="cpu-tracker" if self.tracker else "cpu", process=self.process_used())
+
+    def allocator_ooms(self) -> int:
+        """No caching allocator on the CPU: a failure raises ``OutOfMemoryError`` itself."""
+        return 0
 
     def process_used(self) -> int:
         """Resident memory of this process."""

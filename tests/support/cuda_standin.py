@@ -33,7 +33,8 @@ API
 ``cuda.install(monkeypatch)`` patches ``torch.cuda``: ``is_available``,
 ``device_count``, ``current_device``, ``memory_allocated``, ``memory_reserved``,
 ``max_memory_allocated``, ``max_memory_reserved``, ``reset_peak_memory_stats``,
-``mem_get_info``, ``empty_cache``, ``memory_stats``, ``get_device_properties``
+``mem_get_info``, ``empty_cache``, ``memory_stats`` (and its nested form),
+``get_device_properties``
 (``.total_memory``, ``.name``, PCI ids), ``synchronize``,
 ``set_per_process_memory_fraction``, and ``torch.cuda.memory._record_memory_history``,
 ``_snapshot`` and ``_dump_snapshot``. Every function accepts (and ignores) a
@@ -259,6 +260,20 @@ class CudaStandIn:
             "num_device_free": self.stats["num_device_free"],
         }
 
+    def memory_stats_as_nested_dict(self, device: Any = None) -> dict[str, Any]:
+        """The allocator's own nested form of ``memory_stats`` (the counters the app reads)."""
+        self.calls["memory_stats_as_nested_dict"] += 1
+        flat = self.memory_stats()
+        self.calls["memory_stats"] -= 1
+        nested: dict[str, Any] = {}
+        for key, value in flat.items():
+            parts = key.split(".")
+            level = nested
+            for part in parts[:-1]:
+                level = level.setdefault(part, {})
+            level[parts[-1]] = value
+        return nested
+
     def get_device_properties(self, device: Any = None) -> types.SimpleNamespace:
         self.calls["get_device_properties"] += 1
         return types.SimpleNamespace(name=self.name, total_memory=self.total, major=9, minor=0,
@@ -297,7 +312,8 @@ class CudaStandIn:
         """Patch ``torch.cuda`` (and ``torch.cuda.memory``'s history functions) for one test."""
         for name in ("memory_allocated", "memory_reserved", "max_memory_allocated",
                      "max_memory_reserved", "reset_peak_memory_stats", "mem_get_info",
-                     "empty_cache", "memory_stats", "get_device_properties", "synchronize",
+                     "empty_cache", "memory_stats", "memory_stats_as_nested_dict",
+                     "get_device_properties", "synchronize",
                      "set_per_process_memory_fraction"):
             monkeypatch.setattr(torch.cuda, name, getattr(self, name))
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

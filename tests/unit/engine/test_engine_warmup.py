@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from cuda_messages import CUDNN_DEVICE_ALLOCATION_FAILED, cudnn_error
 from tiny_model import tiny_model
 
 from app.config import load_settings
@@ -79,7 +80,7 @@ def test_an_oom_at_a_large_size_caps_the_batch_instead_of_failing_the_start(
 
 
 def test_an_oom_at_the_pinned_size_caps_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    _fails_above(4, RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"), monkeypatch)
+    _fails_above(4, cudnn_error(CUDNN_DEVICE_ALLOCATION_FAILED), monkeypatch)
     engine, runtime = warm(max_batch_size=4, batch_size=8, target_latency_ms=10_000)
     assert engine.batcher.max_batch == 4
     assert max(size for size, _ in runtime.memory.points) == 4

@@ -9,6 +9,7 @@ sticky error (the CUDA context is lost) must mark the engine failed instead.
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import weakref
@@ -17,6 +18,17 @@ from concurrent.futures import Future, wait
 
 import pytest
 import torch
+from cuda_messages import (
+    CUBLAS_ALLOC_FAILED,
+    CUBLAS_NOT_INITIALIZED,
+    CUDNN_DEVICE_ALLOCATION_FAILED,
+    CUDNN_EXECUTION_FAILED_CUDA_DRIVER,
+    CUDNN_HOST_ALLOCATION_FAILED,
+    cublas_error,
+    cuda_runtime_error,
+    cudnn_error,
+)
+from cuda_standin import GiB, install_gpu
 from tiny_model import tiny_model
 
 from app.config import load_settings
@@ -25,32 +37,33 @@ from app.engine.batcher import MicroBatcher
 from app.engine.engine import InferenceEngine, Phase
 from app.engine.oom import OomRecovery
 from app.engine.predictor import Prediction, Ranked
-from app.errors import NotReady
+from app.errors import InsufficientMemory, NotReady
 from app.memory.budget import Budget
 from app.memory.fit import MemoryFit
 from app.memory.guard import MemoryGuard
-from app.memory.probes import CpuProbe
+from app.memory.probes import CpuProbe, CudaProbe
 
 MiB = 1024**2
 
-# The messages as torch 2.x words them (c10/cuda/CUDAException.h, ATen/cudnn, ATen/cuda).
+# The messages as torch 2.x words them, read from the CUDA libraries torch ships
+# (tests/support/cuda_messages.py), as a GPU would print them.
 OOM_ERRORS: dict[str, Callable[[], BaseException]] = {
     "allocator": lambda: torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
-    "kernel launch": lambda: torch.AcceleratorError(
-        "CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported at "
-        "some other API call, so the stacktrace below might be incorrect."),
-    "cudnn alloc": lambda: RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"),
-    "cudnn no engine": lambda: RuntimeError(
-        "GET was unable to find an engine to execute this computation"),
-    "cublas alloc": lambda: RuntimeError(
-        "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
+    "kernel launch": lambda: cuda_runtime_error(2),
+    "cudnn 9 device allocation": lambda: cudnn_error(CUDNN_DEVICE_ALLOCATION_FAILED),
+    "cublas create": lambda: cublas_error(CUBLAS_NOT_INITIALIZED, "cublasCreate(handle)"),
+    "cublas alloc": lambda: cublas_error(CUBLAS_ALLOC_FAILED, "cublasLtMatmul(...)"),
+    # A JIT-compiled kernel allocating outside torch: the driver's error 2 is its OOM (the
+    # detail's wording is cuDNN 9's last-error string, not in the library's tables).
+    "cudnn jit kernel": lambda: cudnn_error(
+        CUDNN_EXECUTION_FAILED_CUDA_DRIVER, "\ncuModuleLoadData failed with err 2"),
+    "driver api": lambda: RuntimeError("CUDA driver error: CUDA_ERROR_OUT_OF_MEMORY"),
 }
+# Sticky: 700 illegal address, 719 launch failure, 710 device assert, 999 unknown (a GPU off
+# the bus), 46 busy or unavailable, 100 no device, 709 context destroyed.
 STICKY_ERRORS: dict[str, Callable[[], BaseException]] = {
-    "illegal address": lambda: torch.AcceleratorError(
-        "CUDA error: an illegal memory access was encountered"),
-    "launch failure": lambda: torch.AcceleratorError("CUDA error: unspecified launch failure"),
-    "device assert": lambda: torch.AcceleratorError("CUDA error: device-side assert triggered"),
-}
+    str(code): functools.partial(cuda_runtime_error, code)
+    for code in (700, 719, 710, 999, 46, 100, 709)}
 
 
 def guard() -> MemoryGuard:
@@ -85,9 +98,64 @@ def test_sticky_cuda_errors_are_classified_as_device_lost(kind: str) -> None:
 
 
 @pytest.mark.parametrize("error", [RuntimeError("model exploded"), ValueError("out of memory"),
-                                   torch.AcceleratorError("CUDA error: invalid argument")])
-def test_other_errors_are_not_memory_errors(error: BaseException) -> None:
-    assert oom.classify_error(error) is oom.ErrorKind.OTHER
+                                   lambda: cuda_runtime_error(1),  # invalid argument
+                                   lambda: cudnn_error(CUDNN_EXECUTION_FAILED_CUDA_DRIVER)])
+def test_other_errors_are_not_memory_errors(error: BaseException | Callable[[], BaseException]
+                                            ) -> None:
+    exc = error if isinstance(error, BaseException) else error()
+    assert oom.classify_error(exc) is oom.ErrorKind.OTHER
+
+
+def test_cudnn_out_of_the_computers_memory_is_not_the_gpus() -> None:
+    """HOST_ALLOCATION_FAILED: every image of the batch gets 503 (try again later), no
+    split, and the guard learns nothing about the GPU."""
+    g = guard()
+    fits_before = g.max_batch_now(0)
+    forward = ScriptedForward(fits=0, error=lambda: cudnn_error(CUDNN_HOST_ALLOCATION_FAILED))
+    outcomes = OomRecovery(forward, g, CpuProbe(weights=0))([1, 2, 3, 4])
+    assert forward.sizes == [4]
+    assert all(isinstance(o, InsufficientMemory) and "computer" in o.message
+               and o.retry_after for o in outcomes)
+    assert (g.counters.oom_events, g.max_batch_now(0)) == (0, fits_before)
+
+
+NO_ENGINE = "GET was unable to find an engine to execute this computation"
+
+
+def test_no_engine_after_swallowed_ooms_is_out_of_memory(monkeypatch) -> None:
+    """cuDNN tried engines whose workspaces did not fit (the allocator counted the
+    failures), then gave up: split and retry, as for any OOM."""
+    cuda, _ = install_gpu(monkeypatch, total=8 * GiB)
+    probe = CudaProbe(torch.device("cuda", 0), weights=0)
+
+    def forward(samples: list[int]) -> list[Prediction]:
+        if len(samples) > 2:
+            cuda.limit = 0
+            with pytest.raises(torch.OutOfMemoryError):  # what Conv_v8's try_configs eats
+                cuda.alloc(GiB)
+            cuda.limit = cuda.total
+            raise RuntimeError(NO_ENGINE)
+        return ScriptedForward(fits=2, error=RuntimeError)(samples)
+
+    g = guard()
+    outcomes = OomRecovery(forward, g, probe)([1, 2, 3, 4])
+    assert all(isinstance(o, Prediction) for o in outcomes)
+    assert (g.counters.oom_events, g.counters.oom_recoveries) == (1, 1)
+
+
+def test_no_engine_without_an_oom_is_a_plain_failure_and_teaches_nothing(monkeypatch) -> None:
+    """An architecture or number format cuDNN has no engine for: not "not enough memory",
+    no split to one image, no enormous cost per image learned."""
+    install_gpu(monkeypatch, total=8 * GiB)
+    probe = CudaProbe(torch.device("cuda", 0), weights=0)
+    g = guard()
+    forward = ScriptedForward(fits=0, error=lambda: RuntimeError(NO_ENGINE))
+    with pytest.raises(oom.NoEngine, match="no way to run this model") as raised:
+        OomRecovery(forward, g, probe)([1, 2, 3, 4])
+    assert "memory was not the cause" in str(raised.value) and NO_ENGINE in str(raised.value)
+    assert forward.sizes == [4] and g.counters.oom_events == 0
+    with pytest.raises(oom.NoEngine):  # warmup's and calibration's path says the same
+        oom.unless_out_of_memory(lambda: forward([1]), probe.allocator_ooms)
 
 
 @pytest.mark.parametrize("kind", OOM_ERRORS)

@@ -4,6 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cuda_messages import (
+    CUBLAS_NOT_INITIALIZED,
+    CUDNN_DEVICE_ALLOCATION_FAILED,
+    cublas_error,
+    cuda_runtime_error,
+    cudnn_error,
+)
 
 from app.engine.warmup import (
     BatchTiming,
@@ -115,12 +122,11 @@ def test_building_inputs_is_not_timed():
     assert built == [1, 2, 4, 8]  # once per size, reused by every repeat
 
 
-OOM_KINDS = {
+OOM_KINDS = {  # as the shipped CUDA libraries word them (tests/support/cuda_messages.py)
     "allocator": lambda: torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"),
-    "kernel launch": lambda: torch.AcceleratorError("CUDA error: out of memory"),
-    "cudnn": lambda: RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"),
-    "cublas": lambda: RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling "
-                                   "`cublasCreate(handle)`"),
+    "kernel launch": lambda: cuda_runtime_error(2),
+    "cudnn": lambda: cudnn_error(CUDNN_DEVICE_ALLOCATION_FAILED),
+    "cublas": lambda: cublas_error(CUBLAS_NOT_INITIALIZED, "cublasCreate(handle)"),
 }
 
 

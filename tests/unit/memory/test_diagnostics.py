@@ -9,14 +9,15 @@ from __future__ import annotations
 import logging
 import pickle
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 from asgi import anyio_backend, built_app, client, parse, state_of  # noqa: F401  (a fixture)
-from cuda_standin import GiB, MiB, StandInForward, install_gpu
+from cuda_messages import cuda_runtime_error
+from cuda_standin import CudaStandIn, GiB, MiB, StandInForward, install_gpu
 from samples import sample as live_sample
 from tiny_model import tiny_model
 
@@ -24,6 +25,7 @@ from app.config import load_settings
 from app.engine.engine import InferenceEngine, MemoryCost, Phase, Runtime
 from app.engine.oom import OomRecovery
 from app.engine.predictor import Prediction, Sample
+from app.errors import NotReady
 from app.memory.budget import Budget
 from app.memory.diagnostics import (
     LEAK_RISES,
@@ -68,17 +70,24 @@ def test_a_fall_restarts_the_count_and_small_moves_are_not_rises():
     assert not diagnostics.leak_suspected
 
 
-def test_fragmentation_is_five_times_what_is_in_use():
+def test_fragmentation_is_split_free_space_not_a_large_cache():
+    """A warm GPU caches many times its weights (the old rule, reserved >= 5 x allocated,
+    called that fragmented); what is fragmented is free space split between live blocks."""
     diagnostics = MemoryDiagnostics(warm_allocated=WEIGHTS)
-    assert not diagnostics.idle(WEIGHTS, 5 * WEIGHTS - 1).fragmented
-    assert diagnostics.idle(WEIGHTS, 5 * WEIGHTS).fragmented
+    assert not diagnostics.idle(WEIGHTS, 10 * WEIGHTS, inactive_split=0).fragmented
+    assert not diagnostics.idle(WEIGHTS, 4 * WEIGHTS, inactive_split=2 * WEIGHTS - 1).fragmented
+    assert diagnostics.idle(WEIGHTS, 4 * WEIGHTS, inactive_split=2 * WEIGHTS).fragmented
+    assert not diagnostics.idle(MiB, 100 * MiB, inactive_split=63 * MiB).fragmented  # rounding
     assert diagnostics.fragmentation_releases == 1
 
 
 def test_doctor_lines():
-    assert "cannot fragment" in cache_verdict("cpu", WEIGHTS, WEIGHTS)
-    assert "fragmented" in cache_verdict("cuda:0", WEIGHTS, 6 * WEIGHTS)
-    assert cache_verdict("cuda:0", WEIGHTS, 2 * WEIGHTS).startswith("200 MiB held for 100 MiB")
+    assert "cannot fragment" in cache_verdict("cpu", WEIGHTS, WEIGHTS, 0)
+    assert "fragmented" in cache_verdict("cuda:0", WEIGHTS, 6 * WEIGHTS, 4 * WEIGHTS)
+    assert "cannot give that part back" in cache_verdict("cuda:0", WEIGHTS, 6 * WEIGHTS,
+                                                         4 * WEIGHTS)
+    fine = cache_verdict("cuda:0", WEIGHTS, 9 * WEIGHTS, 0)
+    assert fine.startswith("900 MiB held for 100 MiB in use") and ": fine" in fine
     assert "cpu_memory_cap" in leak_check_verdict(tracked=False, idle_s=60)
     assert f"{LEAK_RISES} times" in leak_check_verdict(tracked=True, idle_s=60)
 
@@ -232,25 +241,40 @@ class QuietClock:
 QUIET = QuietClock()
 
 
-def serve_then_idle(engine: InferenceEngine, images: int) -> MemoryReport:
-    """``images`` requests at once, then a tick long after them (a quiet spell)."""
+def serve_then_idle(engine: InferenceEngine, images: int,
+                    between: Callable[[], object] = lambda: None) -> MemoryReport:
+    """``images`` requests at once, ``between()``, then a tick long after them (a quiet
+    spell)."""
     futures = [engine.batcher.submit(image(), 10) for _ in range(images)]
     assert all(isinstance(f.result(10), Prediction) for f in futures)
+    between()
     QUIET.now += 3600  # an hour of quiet, without waiting for it
     engine.batcher.call(engine.tick).result(10)
     assert engine.last_report is not None
     return engine.last_report
 
 
-def test_a_fragmented_cache_is_emptied_at_idle_even_with_idle_release_off(gpu):
+def keep_small_blocks(cuda: CudaStandIn, count: int) -> Callable[[], list[int]]:
+    """Something keeps ``count`` 1 MiB tensors made after a batch: each lands in one of the
+    batch's cached 100 MiB segments and splits it (99 MiB free beside a live block)."""
+    return lambda: [cuda.alloc(MiB) for _ in range(count)]
+
+
+def test_a_warm_cache_is_kept_and_a_fragmented_one_emptied_with_idle_release_off(gpu):
     make, cuda, _ = gpu
     engine = make(idle_release_s=0)
-    kept = serve_then_idle(engine, 1)  # 200 MiB held for 100 MiB in use: kept
-    assert cuda.reserved == 2 * WEIGHTS and kept.idle_releases == 0
-    report = serve_then_idle(engine, 8)  # 900 MiB held for 100 MiB in use: fragmented
-    assert cuda.reserved == WEIGHTS
-    assert report.idle_releases == 1
-    assert (kept.fragmentation_releases, report.fragmentation_releases) == (0, 1)
+    warm = serve_then_idle(engine, 8)  # 900 MiB held for 100 MiB in use: a warm cache
+    assert cuda.reserved == 9 * WEIGHTS
+    assert (warm.idle_releases, warm.fragmentation_releases) == (0, 0)
+    kept: list[int] = []
+    report = serve_then_idle(engine, 1, lambda: kept.extend(keep_small_blocks(cuda, 8)()))
+    assert cuda.memory_stats()["inactive_split_bytes.all.current"] == 8 * 99 * MiB
+    assert (report.idle_releases, report.fragmentation_releases) == (1, 1)
+    # Emptying it returned the one wholly free segment, not the split ones.
+    assert cuda.reserved == 9 * WEIGHTS
+    for handle in kept:
+        cuda.free(handle)
+    assert serve_then_idle(engine, 1).fragmentation_releases == 1  # mended once freed
 
 
 def test_idle_release_counts_the_fragmented_ones(gpu):
@@ -258,7 +282,7 @@ def test_idle_release_counts_the_fragmented_ones(gpu):
     engine = make(idle_release_s=1)
     assert serve_then_idle(engine, 1).fragmentation_releases == 0
     assert cuda.reserved == WEIGHTS  # released all the same: the setting asks for it
-    report = serve_then_idle(engine, 6)
+    report = serve_then_idle(engine, 6, keep_small_blocks(cuda, 5))
     assert (report.idle_releases, report.fragmentation_releases) == (2, 1)
 
 
@@ -279,6 +303,39 @@ def test_a_leak_on_cuda_writes_one_allocator_snapshot_with_stacks(gpu, tmp_path)
     assert len(snapshots) == 1
     assert pickle.loads(snapshots[0].read_bytes())["segments"]
     assert not cuda.recording and cuda.history[-1]["enabled"] is None
+
+
+def test_a_gpu_lost_in_the_monitors_tick_fails_the_engine(gpu, monkeypatch):
+    """A GPU off the bus (CUDA's 999) surfaces first where the monitor reads the device's
+    memory: the engine must stop saying ready, as for a sticky error in a batch."""
+    make, _, nvml = gpu
+    engine = make()
+    nvml.fail("nvmlDeviceGetMemoryInfo")  # NVML first, then CUDA's own figure: both gone
+
+    def lost(device: object = None) -> tuple[int, int]:
+        raise cuda_runtime_error(999)
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lost)
+    assert engine.batcher.call(engine.tick).result(10) is None
+    assert engine.health.device_lost and engine.phase is Phase.FAILED
+    assert engine.health.error == "CUDA error: unknown error"
+
+
+def test_a_gpu_lost_while_emptying_the_cache_after_an_oom_fails_the_engine(gpu, monkeypatch):
+    """The synchronize in the OOM recovery's ``empty_cache`` is where a sticky error from
+    the failed batch's kernels arrives: 503 and a failed engine, not a 500 while ready."""
+    make, cuda, _ = gpu
+    engine = make()
+    cuda.fail_next_alloc()
+
+    def lost(device: object = None) -> None:
+        raise cuda_runtime_error(700)
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lost)
+    answer = engine.batcher.submit(image(), 10)
+    with pytest.raises(NotReady):
+        answer.result(10)
+    assert engine.health.device_lost and "illegal memory access" in str(engine.health.error)
 
 
 def test_gpu_utilisation_comes_from_nvml(gpu):
