@@ -227,9 +227,13 @@ class MemoryReport(BaseModel):
                                  "several idle periods: something keeps tensors alive. "
                                  "Separate from state.")
     leak_growth_bytes: int = Field(0, description="Bytes tensors held at the last idle "
-                                   "period beyond what they held after warmup.")
+                                   "period beyond what they held after warmup or the last "
+                                   "load or unload of a model.")
     idle_baselines_bytes: list[int] = Field(default_factory=list, description="Bytes tensors "
-                                            "held at the last idle periods, oldest first.")
+                                            "held beyond the models' weights and the "
+                                            "libraries' kept workspaces at the last idle "
+                                            "periods since the last load or unload, oldest "
+                                            "first.")
     large_allocations: int = Field(0, description="Places logged for a single allocation "
                                    "over large_allocation_bytes beyond a batch's measured "
                                    "need.")

@@ -151,8 +151,7 @@ class Calibration:
             models.others_at_start = reading.others
         memory = MemoryCost(size, reading.overhead, models.others_at_start,
                                fit_linear(points), points)
-        budget = models.budget_for(reading, models.weights_total() + size)
-        models.share(budget)
+        budget = models.rebase(reading, models.weights_total() + size)
         guard = MemoryGuard(budget, memory.fit, max_batch=chosen,
                             high=settings.high_watermark, low=settings.low_watermark)
         probe.set_backstop(settings.memory_fraction)

@@ -31,11 +31,27 @@ class MemoryReports:
     def diagnosed(self, reading: MemoryReading) -> MemoryDiagnostics:
         """The diagnostics, started from the first reading after warmup (the warm level)."""
         if self.diagnostics is None:
-            self.diagnostics = MemoryDiagnostics(reading.allocated)
+            self.diagnostics = MemoryDiagnostics(self.kept(reading))
         return self.diagnostics
+
+    def kept(self, reading: MemoryReading) -> int:
+        """What tensors hold beyond the loaded models' weights and the libraries' kept
+        workspaces (the probe's baseline): the leak rule's level. Raw allocated bytes
+        would rise with every model loaded on demand and look like a leak."""
+        probe = self.models.probe
+        baseline = probe.baseline if probe is not None else 0
+        return max(0, reading.allocated - baseline)
+
+    def _rebase(self) -> None:
+        """The loaded models changed, and the baseline with them: the leak watch starts
+        again from what is held now."""
+        probe = self.models.probe
+        if self.diagnostics is not None and probe is not None:
+            self.diagnostics.rebase(self.kept(probe.read()))
 
     def publish(self) -> None:
         """A model was installed: the report again, with it."""
+        self._rebase()
         primary = self.models.primary
         if primary is not None and primary.model is not None:
             self.last = self.report(primary)
@@ -43,6 +59,7 @@ class MemoryReports:
     def after_unload(self) -> None:
         """A model was unloaded: the report again; with nothing loaded, the last figures
         without models."""
+        self._rebase()
         primary = self.models.primary
         if primary is not None:
             self.last = self.report(primary)

@@ -183,6 +183,9 @@ class LoadedModels:
         self.probe: Probe | None = None
         self.budget: Budget | None = None
         self.others_at_start: int | None = None
+        # Other programs' use when the budget was last computed: that budget's overhead
+        # holds it already, so only growth beyond it shrinks the budget.
+        self.others_base = 0
 
     @property
     def primary(self) -> Runtime | None:
@@ -232,6 +235,15 @@ class LoadedModels:
         for runtime in list(self.runtimes.values()):
             runtime.guard.set_budget(budget)
 
+    def rebase(self, reading: MemoryReading, weights: int | None = None) -> Budget:
+        """A budget from a fresh reading, shared by every guard: its overhead holds what
+        other programs use now, so their growth is counted from now on (not once in the
+        overhead and again as growth since the start)."""
+        self.others_base = reading.others
+        budget = self.budget_for(reading, weights)
+        self.share(budget)
+        return budget
+
     def rebudget(self) -> None:
         """The loaded models changed: one budget, with their weights, for every guard."""
         probe = self.probe
@@ -239,7 +251,7 @@ class LoadedModels:
             return
         self.set_weights(self.weights_total())
         probe.set_baseline()
-        self.share(self.budget_for(probe.read()))
+        self.rebase(probe.read())
 
     def room(self) -> int:
         """What the models may take together now (``Budget.room``); unlimited before the

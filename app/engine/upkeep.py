@@ -81,7 +81,7 @@ class Upkeep:
             return None
         probe = runtime.probe
         reading = probe.read()
-        growth = reading.others - (models.others_at_start or 0)
+        growth = reading.others - models.others_base
         for each in list(models.runtimes.values()):
             each.guard.shrink_for_others(growth)
         usage, self._peak_since_tick = max(self._peak_since_tick, probe.held()), 0
@@ -108,7 +108,8 @@ class Upkeep:
         always with idle release on, and whatever the setting when it is fragmented."""
         reading = runtime.probe.read()
         diagnostics = self.reports.diagnosed(reading)
-        found = diagnostics.idle(reading.allocated, reading.reserved, reading.inactive_split)
+        found = diagnostics.idle(self.reports.kept(reading), reading.reserved,
+                                 reading.inactive_split)
         if found.fragmented or (self.settings.idle_release_s and not self._released):
             self.release(runtime)
             runtime.guard.counters.idle_releases += 1

@@ -72,10 +72,11 @@ class IdleFindings:
 
 
 class MemoryDiagnostics:
-    """Keeps the idle baselines (allocated bytes at each idle period) and the conclusions.
+    """Keeps the idle baselines (bytes tensors hold at each idle period beyond the models'
+    weights and kept workspaces) and the conclusions.
 
-    ``warm_allocated`` is what tensors held once warmup was over: the level every
-    later idle period should come back to.
+    ``warm_allocated`` is that level once warmup (or the last load or unload) was over:
+    the level every later idle period should come back to.
     """
 
     def __init__(self, warm_allocated: int) -> None:
@@ -89,6 +90,14 @@ class MemoryDiagnostics:
     def leak_growth(self) -> int:
         """Bytes held at the last idle period beyond what was held after warmup."""
         return max(0, self.baselines[-1] - self.warm_allocated) if self.baselines else 0
+
+    def rebase(self, level: int) -> None:
+        """Models were loaded or unloaded: ``level`` is the new warm level, and the levels
+        and rises measured against the old one are dropped (the flag stays until memory
+        is back at the new level at an idle period)."""
+        self.warm_allocated = level
+        self.baselines.clear()
+        self._rises = 0
 
     def idle(self, allocated: int, reserved: int, inactive_split: int = 0) -> IdleFindings:
         """Take the reading of one idle period (before any cache is emptied).

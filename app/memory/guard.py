@@ -61,20 +61,20 @@ class MemoryGuard:
         return int(self.budget_bytes * self.low_fraction)
 
     def shrink_for_others(self, others_growth: int) -> None:
-        """Other programs took ``others_growth`` bytes since start: give them room.
-
-        The budget never grows past the configured one.
-        """
+        """Other programs took ``others_growth`` bytes since the budget was computed: give
+        them room. The budget never grows past the configured one."""
         with self._lock:
             self._others_growth = max(0, others_growth)
             self.budget_bytes = max(0, self.configured_bytes - self._others_growth)
 
     def set_budget(self, budget: Budget) -> None:
-        """A model loaded or unloaded: the weights the budget leaves room for changed."""
+        """A model loaded or unloaded: a budget from a fresh reading, whose overhead holds
+        what other programs use now; their growth is counted again from zero."""
         with self._lock:
             self.budget = budget
             self.configured_bytes = budget.bytes
-            self.budget_bytes = max(0, budget.bytes - self._others_growth)
+            self._others_growth = 0
+            self.budget_bytes = budget.bytes
 
     def max_batch_now(self, in_use: int) -> int:
         """Images that fit now; 0 when not even one does by measurement."""

@@ -255,6 +255,11 @@ class CpuProbe:
         """Resident memory of this process."""
         return int(psutil.Process().memory_info().rss)
 
+    @property
+    def baseline(self) -> int:
+        """Bytes that stay allocated between batches: the weights."""
+        return self.weights + self.workspaces
+
     def set_baseline(self) -> None:
         """Nothing stays allocated beyond the weights on the CPU: torch frees every
         temporary, library workspaces included."""
