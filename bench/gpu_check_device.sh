@@ -24,5 +24,16 @@ for lite in 0 1 2; do
 done
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" \
     "$wheels"/*.whl || { echo "could not install the wheels in $wheels"; exit 2; }
-PYTHONPATH=".:$site" PYTHONUNBUFFERED=1 timeout -k 10 235 \
+# The hard stop follows the check's own budget (--budget-s, 200 s by default): 35 s more
+# for the last step's limit to end it and the JSON's last write, then 10 s to die.
+budget=200
+previous=""
+for arg in "$@"; do
+    case "$previous" in --budget-s) budget=$arg ;; esac
+    case "$arg" in --budget-s=*) budget=${arg#*=} ;; esac
+    previous=$arg
+done
+limit=$(python3 -c 'import sys; print(int(float(sys.argv[1])) + 35)' "$budget") \
+    || { echo "--budget-s $budget is not a number of seconds"; exit 2; }
+PYTHONPATH=".:$site" PYTHONUNBUFFERED=1 timeout -k 10 "$limit" \
     python3 -m bench.gpu_check --out "$out/gpu-check.json" "$@" 2>&1 | tee "$out/gpu-check.log"

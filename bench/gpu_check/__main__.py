@@ -44,6 +44,8 @@ from bench.gpu_check.plan import (
     REAL_RUN_FILE,
     ROOT,
     SPECS,
+    STEPS,
+    selected,
 )
 from bench.gpu_check.prepare import WHEEL_DIR, prepare
 from bench.gpu_check.runner import LogCollector, is_sticky_record, summary
@@ -77,7 +79,7 @@ def run(check: Check) -> int:
         record = check.steps.run(spec, functools.partial(RUNS[spec.name], check), dry=check.dry)
         if spec.name == "imports":
             check.resolve()
-            # Before bench/gpu_check_device.sh's `timeout` (235 s), so that a hang
+            # Before bench/gpu_check_device.sh's `timeout` (budget + 35 s), so that a hang
             # in C code is shown where it is.
             faulthandler.dump_traceback_later(check.plan.budget_s + 25, exit=True)
             check.write()
@@ -98,8 +100,10 @@ def run(check: Check) -> int:
     faulthandler.cancel_dump_traceback_later()
     untested = [name for name in PROMISE_STEPS
                 if check.report["steps"][name]["status"] != "ok"
-                and not (check.dry and name in CUDA_ONLY)]
-    if untested and not check.could_not_run:
+                and not (check.dry and name in CUDA_ONLY)
+                and (check.steps.only is None or name in check.steps.only)]
+    # A crash is the answer (exit 1), even though it stopped the promise's steps.
+    if untested and not check.could_not_run and not check.report["failures"]:
         check.could_not_run = (f"the promise was not put to the test: {', '.join(untested)} "
                                "did not run to the end")
     return finish(check)
@@ -126,6 +130,8 @@ def finish(check: Check) -> int:
 
 
 def main() -> int:
+    # First of all: a segfault or a hang in C code (an import included) leaves a traceback.
+    faulthandler.enable()
     parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
@@ -139,18 +145,29 @@ def main() -> int:
                         f"are skipped (default {GPU_PLAN.budget_s:.0f} on a GPU)")
     parser.add_argument("--out", type=Path, help="the JSON (default: docs/gpu-check.json for "
                         f"a GPU run, {DRY_DEFAULT_OUT.relative_to(ROOT)} dry)")
+    parser.add_argument("--only", type=lambda text: text.split(","), metavar="STEP,...",
+                        help="rerun these steps (and what they need) after a run that "
+                        f"failed in them; the steps: {', '.join(STEPS)}")
     parser.add_argument("--prepare", type=Path, nargs="?", const=WHEEL_DIR, metavar="DIR",
                         help="download the wheels the GPU machine lacks into DIR "
                         f"(default {WHEEL_DIR.relative_to(ROOT)}) and stop")
     args = parser.parse_args()
     if args.prepare is not None:
         return prepare(args.prepare)
+    try:
+        only = selected(args.only) if args.only else None
+    except ValueError as exc:
+        parser.error(str(exc))
     dry_known = args.dry or args.device == "cpu"
     if dry_known and args.out is not None and args.out.resolve() == REAL_RUN_FILE:
         print(f"refusing: {REAL_RUN_FILE.relative_to(ROOT)} holds a real GPU run; the dry "
               "mode writes elsewhere (--out)", file=sys.stderr)
         return 2
-    return run(Check(args))
+    check = Check(args)
+    check.steps.only = only
+    if only is not None:
+        check.report["only"] = sorted(only, key=STEPS.index)
+    return run(check)
 
 
 if __name__ == "__main__":

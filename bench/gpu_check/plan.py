@@ -46,6 +46,10 @@ COUNTERS = ("num_ooms", "num_alloc_retries", "num_device_alloc", "num_device_fre
             "oversize_allocations.current")
 DRIVER_MODELS = {0: "WDDM", 1: "TCC", 2: "MCDM"}
 
+# The steps that put the promise to the test run right after warmup: on a cold machine an
+# overrun of the budget then lands on the diagnostics after them, not on the promise. (The
+# speed steps thus measure after out-of-memory episodes; empty_cache gives the cache back
+# before them, and cuDNN's plans are chosen again per shape.)
 SPECS = (
     StepSpec("imports", "every module the check needs imports here; which torch it runs on",
              limit_s=180, min_s=0),
@@ -58,19 +62,6 @@ SPECS = (
              needs=("load",), crash=True),
     StepSpec("warmup", "the engine's warmup: batch size, c, k, overhead, budget",
              needs=("load",), crash=True, limit_s=150),
-    StepSpec("empty_cache", "what the allocator gives back after warmup", needs=("warmup",)),
-    StepSpec("batch_peaks", "peak allocated/reserved and NVML growth per batch size against "
-             "fit.peak(n), cudnn.benchmark off and on", needs=("warmup",), limit_s=100,
-             min_s=10),
-    StepSpec("split_timings", "input build, H2D, forward, top-k; images/s",
-             needs=("warmup",), min_s=5),
-    StepSpec("throughput", "images/s at the chosen and largest batch; GPU utilisation",
-             needs=("warmup",), min_s=5),
-    StepSpec("tick_cost", "what the once-a-second memory reading costs", needs=("warmup",)),
-    StepSpec("snapshot_cost", "what recording allocator history and a snapshot dump cost",
-             cuda="records CUDA allocator history", needs=("warmup",)),
-    StepSpec("latency_p50", "p50 latency at concurrency 1 with a 0 ms and a 2 ms batch wait",
-             needs=("warmup",)),
     StepSpec("forced_oom", "split-and-retry under a hard limit; a single image too big gets "
              "503; nothing leaks", needs=("warmup",), min_s=10),
     StepSpec("server_path", "the engine with a small budget: load, a forced OOM, load "
@@ -85,6 +76,19 @@ SPECS = (
              "back; an out-of-memory while loading leaves nothing behind and ends in 503 or "
              "a load after one more eviction, the profile marked",
              needs=("load",), limit_s=120, min_s=20),
+    StepSpec("empty_cache", "what the allocator gives back after warmup", needs=("warmup",)),
+    StepSpec("batch_peaks", "peak allocated/reserved and NVML growth per batch size against "
+             "fit.peak(n), cudnn.benchmark off and on", needs=("warmup",), limit_s=100,
+             min_s=10),
+    StepSpec("split_timings", "input build, H2D, forward, top-k; images/s",
+             needs=("warmup",), min_s=5),
+    StepSpec("throughput", "images/s at the chosen and largest batch; GPU utilisation",
+             needs=("warmup",), min_s=5),
+    StepSpec("tick_cost", "what the once-a-second memory reading costs", needs=("warmup",)),
+    StepSpec("snapshot_cost", "what recording allocator history and a snapshot dump cost",
+             cuda="records CUDA allocator history", needs=("warmup",)),
+    StepSpec("latency_p50", "p50 latency at concurrency 1 with a 0 ms and a 2 ms batch wait",
+             needs=("warmup",)),
     StepSpec("own_models", "a model of the user's own from a torch.export program and from "
              "ONNX: added (trial load in a child), loaded on the device by the engine, "
              "measured, its answers against the CPU's", needs=("load",), limit_s=60,
@@ -95,6 +99,25 @@ STEPS = tuple(spec.name for spec in SPECS)
 CUDA_ONLY = {spec.name for spec in SPECS if spec.cuda}
 # The steps that put the promise to the test: a run that could not finish them proves nothing.
 PROMISE_STEPS = ("forced_oom", "server_path", "pressure_oom", "multi_model")
+# What every run does, --only or not: the imports, the versions, the context, the end.
+ALWAYS = ("imports", "versions", "cuda_context", "final")
+
+
+def selected(only: list[str]) -> frozenset[str]:
+    """The steps a rerun of ``only`` runs: those, the steps they need (and those need), and
+    ALWAYS. A name that is no step is a ValueError."""
+    unknown = [name for name in only if name not in STEPS]
+    if unknown:
+        raise ValueError(f"no such step: {', '.join(unknown)} (the steps: {', '.join(STEPS)})")
+    needs = {spec.name: spec.needs for spec in SPECS}
+    chosen = set(ALWAYS)
+    todo = list(only)
+    while todo:
+        name = todo.pop()
+        if name not in chosen:
+            chosen.add(name)
+            todo.extend(needs[name])
+    return frozenset(chosen)
 
 
 @dataclass(frozen=True)

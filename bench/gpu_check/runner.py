@@ -138,12 +138,15 @@ class Steps:
         self.started = time.monotonic()
         self.current = ""
         self.cuda_broken: str | None = None
+        self.only: frozenset[str] | None = None  # --only: the steps a rerun runs
         report.setdefault("steps", {})
 
     def remaining(self) -> float:
         return self.budget_s - (time.monotonic() - self.started)
 
     def skip_reason(self, spec: StepSpec, dry: bool) -> str | None:
+        if self.only is not None and spec.name not in self.only:
+            return "not asked for in this rerun (--only)"
         if spec.cuda and dry:
             return f"needs CUDA ({spec.cuda}); this is the dry mode, on a machine without a GPU"
         if self.cuda_broken and spec.name != "final":

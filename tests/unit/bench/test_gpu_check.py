@@ -24,7 +24,7 @@ from bench.gpu_check.load_oom import load_oom_rooms
 from bench.gpu_check.model_watch import ShortDevice
 from bench.gpu_check.models import two_of_three
 from bench.gpu_check.oom import oom_limit
-from bench.gpu_check.plan import MIN_STEP, REAL_RUN_FILE
+from bench.gpu_check.plan import MIN_STEP, PROMISE_STEPS, REAL_RUN_FILE, STEPS, selected
 from bench.gpu_check.runner import Skip, Steps, StepSpec, write_json
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -158,3 +158,49 @@ def test_the_dry_mode_refuses_to_write_the_real_run_file():
     assert done.returncode == 2
     assert "refusing" in done.stderr
     assert fingerprint(REAL_RUN_FILE) == before
+
+
+def test_the_promise_steps_run_right_after_warmup():
+    """On a cold machine an overrun lands on the diagnostics, not on the promise."""
+    after_warmup = STEPS[STEPS.index("warmup") + 1:][:len(PROMISE_STEPS)]
+    assert after_warmup == PROMISE_STEPS
+
+
+def test_a_rerun_of_some_steps_brings_what_they_need_and_nothing_else():
+    assert selected(["pressure_oom"]) == {"imports", "versions", "cuda_context", "final",
+                                          "load", "warmup", "pressure_oom"}
+    assert selected(["empty_cache", "own_models"]) >= {"warmup", "load", "own_models"}
+    assert "multi_model" not in selected(["forced_oom"])
+    with pytest.raises(ValueError, match="no such step: pressure"):
+        selected(["pressure"])
+
+
+def test_a_step_left_out_of_a_rerun_is_skipped_saying_so():
+    steps = Steps({}, lambda: None, budget_s=60)
+    steps.only = frozenset({"a"})
+    assert steps.run(StepSpec("a", "x"), lambda result: "ran")["status"] == "ok"
+    record = steps.run(StepSpec("b", "y"), lambda result: "ran")
+    assert record["status"] == "skipped" and "--only" in record["reason"]
+
+
+def check_run(tmp_path: Path, *args: str) -> tuple[int, dict]:
+    out = tmp_path / "check.json"
+    done = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--dry", "--out",
+                           str(out), *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    return done.returncode, json.loads(out.read_text()) if out.exists() else {}
+
+
+def test_a_crash_at_the_start_exits_1_as_documented(tmp_path):
+    """The load crashes (an unknown model): the run failed (1), though the promise's steps
+    could not run after it; not 'could not give an answer' (2)."""
+    code, report = check_run(tmp_path, "--model", "no_such_model")
+    assert (code, report["verdict"]) == (1, "failed")
+    assert report["failures"][0]["step"] == "load" and "could_not_run" not in report
+    assert report["steps"]["forced_oom"]["status"] == "skipped"
+
+
+def test_only_an_unknown_step_is_refused_with_the_list():
+    done = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--dry", "--only",
+                           "nope"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "no such step: nope" in done.stderr
