@@ -76,7 +76,8 @@ def serve(check: Check, engine: InferenceEngine, out: dict[str, Any],
     runtime = engine.require_runtime()
     guard, probe = runtime.guard, runtime.probe
     out.update(budget_bytes=guard.budget_bytes, high_watermark_bytes=guard.high_bytes,
-               low_watermark_bytes=guard.low_bytes, chosen_batch=engine.batcher.max_batch)
+               low_watermark_bytes=guard.low_bytes, chosen_batch=engine.batcher.max_batch,
+               profile_reused=runtime.reused_profile)  # False: its own profile folder
 
     def on_device(fn: Callable[[], T]) -> T:
         return engine.batcher.call(fn).result(timeout=60)

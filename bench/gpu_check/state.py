@@ -97,6 +97,7 @@ class Check:
         self.photos: dict[tuple[int, int], np.ndarray] = {}  # the espresso photo per size
         self.model_fits: dict[str, MemoryFit] = {}
         self.workdir = Path(tempfile.mkdtemp(prefix="vramguard-gpu-check-"))
+        self._engines = 0  # engines made: each gets its own profile folder
         self.config_file = self.workdir / "config.toml"
         self.config_file.write_text("")  # the defaults, whatever this user's config says
 
@@ -289,10 +290,15 @@ class Check:
         return [Sample(pixels, 5) for pixels in torch.randn(n, 3, crop, crop).unbind(0)]
 
     def settings(self, **overrides: Any) -> Settings:
+        """An engine's settings; each engine its own profile folder under the check's
+        temporary one, so that no step reuses what warmup (or a run before on this
+        machine) measured and a rerun measures again."""
         from app.config import load_settings
 
+        self._engines += 1
         values = {"device": self.device, "model": self.args.model, "cache": False,
-                  "idle_release_s": 0, **overrides}
+                  "idle_release_s": 0,
+                  "profile_dir": self.workdir / f"profiles-{self._engines}", **overrides}
         return load_settings(self.config_file, **values)
 
     def filler(self, nbytes: int) -> torch.Tensor | None:

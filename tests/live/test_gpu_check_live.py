@@ -58,6 +58,7 @@ def test_the_dry_run_records_every_step_on_the_cpu(tmp_path):
     assert forced["single"]["refused_503"] == 1
     server = steps["server_path"]["result"]
     assert server["back_to_ok"] is True
+    assert server["profile_reused"] is False  # measured, not warmup's profile read back
     assert server["phases"]["load"]["oom_events"] >= 1
     assert set(report["stages"]) >= {"load", "first_forward", "warmup", "after_empty_cache",
                                      "multi_model", "end"}
