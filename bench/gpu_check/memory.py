@@ -8,7 +8,9 @@ whether ``fit.peak(n)`` is an upper bound of what a batch of n measures.
 from __future__ import annotations
 
 import functools
+import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from bench.gpu_check.plan import MiB
@@ -132,6 +134,23 @@ def peak_once(check: Check, predictor: Predictor, batch: list[Sample]) -> dict[s
             "ms": round(seconds * 1000, 3)}
 
 
+def in_fresh_thread(run: Callable[[], None]) -> None:
+    """``run()`` in a thread of its own, its exception raised here."""
+    failed: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            run()
+        except BaseException as exc:
+            failed.append(exc)
+
+    thread = threading.Thread(target=target, name="gpu-check-sweep", daemon=True)
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
+
+
 def batch_peaks(check: Check, out: dict[str, Any]) -> str:
     runtime = check.runtime
     fit, predictor, guard = runtime.memory.fit, runtime.predictor, runtime.guard
@@ -148,14 +167,23 @@ def batch_peaks(check: Check, out: dict[str, Any]) -> str:
         cudnn = torch.backends.cudnn
         engine_setting = cudnn.benchmark
         out["engine_cudnn_benchmark"] = engine_setting
+        # cuDNN's plan cache is per thread and its key omits `benchmark`: a sweep in the
+        # thread that ran these shapes before would reuse those plans and measure nothing
+        # new. Each sweep runs in a fresh thread, benchmark on first.
+        out["sweep_order"] = ["cudnn_benchmark on", "cudnn_benchmark off"]
+        out["sweep_threads"] = "each sweep in a fresh thread (cuDNN's plan cache is per thread)"
+
+        def sweep(benchmark: bool) -> None:
+            cudnn.benchmark = benchmark
+            for n in sizes:
+                first = peak_once(check, predictor, inputs[n])
+                steady = peak_once(check, predictor, inputs[n])
+                rows.append({"batch": n, "cudnn_benchmark": benchmark,
+                             "fit_peak": fit.peak(n), "first": first, "steady": steady})
+
         try:
-            for benchmark in (False, True):
-                cudnn.benchmark = benchmark
-                for n in sizes:
-                    first = peak_once(check, predictor, inputs[n])
-                    steady = peak_once(check, predictor, inputs[n])
-                    rows.append({"batch": n, "cudnn_benchmark": benchmark,
-                                 "fit_peak": fit.peak(n), "first": first, "steady": steady})
+            for benchmark in (True, False):
+                in_fresh_thread(functools.partial(sweep, benchmark))
         finally:
             cudnn.benchmark = engine_setting
             torch.cuda.empty_cache()

@@ -12,6 +12,7 @@ import hashlib
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import torch
 from app.engine.residency import Footprint, needed
 from app.memory.fit import MemoryFit
 from bench.gpu_check.load_oom import load_oom_rooms
+from bench.gpu_check.memory import in_fresh_thread
 from bench.gpu_check.model_watch import ShortDevice
 from bench.gpu_check.models import two_of_three
 from bench.gpu_check.oom import oom_limit
@@ -204,3 +206,16 @@ def test_only_an_unknown_step_is_refused_with_the_list():
     done = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--dry", "--only",
                            "nope"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "no such step: nope" in done.stderr
+
+
+def test_a_sweep_runs_in_a_thread_of_its_own_and_its_error_comes_back():
+    """cuDNN's plan cache is per thread: the benchmark sweeps must not run in this one."""
+    threads: list[str] = []
+    in_fresh_thread(lambda: threads.append(threading.current_thread().name))
+    assert threads == ["gpu-check-sweep"]
+
+    def fails() -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    with pytest.raises(torch.OutOfMemoryError):
+        in_fresh_thread(fails)
