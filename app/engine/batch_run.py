@@ -89,9 +89,9 @@ class BatchRun:
         """The batch's memory use, shown to every guard; the cache given back when they
         shed. Its answers are kept if the device fails here: they are already computed."""
         guard, probe = runtime.guard, runtime.probe
-        measured = probe.batch_peak()
+        measured, held = probe.after_batch()
         usage = measured if measured is not None else guard.fit.peak(images)
-        usage = max(usage, probe.held())
+        usage = max(usage, held)
         self.after_batch(usage)
         if self.models.observe(usage) is GuardState.SHEDDING:
             probe.empty_cache()
