@@ -345,8 +345,8 @@ FLATTENED = ("memory_stats", "memory_allocated", "memory_reserved", "max_memory_
 def test_a_batch_reads_the_allocators_figures_once_per_phase(gpu):
     """Each flattened read (torch.cuda.memory_allocated and its kin) builds and sorts every
     figure, 0.3-0.5 ms against 3-5 ms for a batch of one: a batch reads only the nested form
-    (6 times on this path: its size, twice; the OOM count; the peak restarted; the large
-    allocation watch; peak and held after it)."""
+    (6 times: its size; the OOM count; the peak restarted; the large-allocation watch
+    before and after; peak and held after it)."""
     make, cuda, _ = gpu
     engine = make()
     assert isinstance(engine.batcher.submit(image(), 10).result(10), Prediction)
