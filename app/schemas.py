@@ -6,6 +6,8 @@ import enum
 
 from pydantic import BaseModel, Field
 
+from app.units import human_bytes
+
 # What a model is, in /v1/models and in each live sample alike.
 TASK = ("classify, multilabel (every label above a threshold) or embed (image features "
         "only, /v1/embed).")
@@ -168,6 +170,23 @@ class ModelMemory(BaseModel):
                       "not a built-in one.")
 
 
+class GpuProgram(BaseModel):
+    """Another program using the GPU, as NVML lists it."""
+
+    pid: int
+    name: str
+    used_bytes: int | None = Field(description="Its GPU memory; null where the driver does "
+                                   "not say (often under Windows' WDDM).")
+
+
+def programs_line(programs: list[GpuProgram], shown: int = 3) -> str:
+    """'game.exe 2.0 GiB, chrome.exe (memory unknown) and 2 more', for the tray and doctor."""
+    named = [f"{p.name} {human_bytes(p.used_bytes)}" if p.used_bytes is not None
+             else f"{p.name} (memory unknown)" for p in programs[:shown]]
+    more = len(programs) - shown
+    return ", ".join(named) + (f" and {more} more" if more > 0 else "")
+
+
 class MemoryReport(BaseModel):
     """What ``GET /v1/memory`` answers; the tray, the dashboard and /metrics read these fields."""
 
@@ -189,6 +208,9 @@ class MemoryReport(BaseModel):
                                                  "Images in progress and GPU cache) since it "
                                                  "started or since Reset peak.")
     others_bytes: int = Field(description="Other programs: what they use of the GPU memory.")
+    other_programs: list[GpuProgram] = Field(
+        default_factory=list, description="The other programs NVML lists on the GPU, the "
+        "largest first (empty on the CPU or without NVML).")
     weights_bytes: int = Field(description="Models: what the loaded models take.")
     overhead_bytes: int = Field(description="Device memory not held by PyTorch at warmup "
                                             "(context, libraries, other programs).")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from app.schemas import LiveSample, ModelMemory
+from app.schemas import LiveSample, ModelMemory, programs_line
 from app.units import human_bytes
 from app.vocabulary import (
     GPU_CACHE,
@@ -99,6 +99,8 @@ def menu_lines(sample: LiveSample | None) -> list[str]:
     ]
     if sample.gpu_utilization_ratio is not None:
         lines.append(f"GPU busy: {sample.gpu_utilization_ratio:.0%} of the time (all programs)")
+    if sample.other_programs:
+        lines.append(f"Other programs: {programs_line(sample.other_programs)}")
     if sample.leak_suspected:
         lines.append(f"Possible leak: {human_bytes(sample.leak_growth_bytes)} more kept "
                      "than at start")

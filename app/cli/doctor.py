@@ -23,8 +23,10 @@ def run_doctor(settings: Settings, config_file: Path) -> int:
     from app.engine.engine import InferenceEngine
     from app.engine.residency import needed
     from app.memory.diagnostics import IDLE_PERIOD_S, cache_verdict, leak_check_verdict
-    from app.memory.probes import CpuProbe
+    from app.memory.gpu_programs import other_programs
+    from app.memory.probes import CpuProbe, CudaProbe
     from app.models import ModelLoadError
+    from app.schemas import programs_line
     from app.units import human_bytes
 
     line = checks.add
@@ -47,6 +49,10 @@ def run_doctor(settings: Settings, config_file: Path) -> int:
     reading, probe = runtime.probe.read(), runtime.probe
     line(GPU_CACHE.name, cache_verdict(reading.device, reading.allocated, reading.reserved,
                                        reading.inactive_split))
+    if isinstance(probe, CudaProbe):
+        programs = other_programs(probe.nvml)
+        line("other programs on the GPU", programs_line(programs) if programs else
+             "none listed" if probe.nvml is not None else "unknown (NVML is not available)")
     line("leak check", leak_check_verdict(not isinstance(probe, CpuProbe) or probe.tracker
                                           is not None, settings.idle_release_s or IDLE_PERIOD_S))
     print(f"   {LIMIT.name.lower()} and {ROOM_FOR_IMAGES.name.lower()}:")

@@ -13,6 +13,7 @@ from __future__ import annotations
 from app.engine.runtime import LoadedModels, Runtime
 from app.memory.allocations import LargeAllocationWatch
 from app.memory.diagnostics import MemoryDiagnostics
+from app.memory.gpu_programs import other_programs
 from app.memory.probes import CpuProbe, CudaProbe, MemoryReading
 from app.schemas import MemoryReport, ModelMemory, ProfilePoint
 
@@ -86,6 +87,7 @@ class MemoryReports:
             peak_allocated_bytes=reading.peak_allocated,
             peak_reserved_bytes=reading.peak_reserved,
             others_bytes=reading.others,
+            other_programs=other_programs(nvml),
             weights_bytes=sum(r.memory.weights_bytes for r in runtimes),
             overhead_bytes=memory.overhead_bytes,
             configured_budget_bytes=guard.configured_bytes,

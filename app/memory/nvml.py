@@ -83,6 +83,24 @@ class Nvml:
             return None
         return None
 
+    def processes(self) -> dict[int, int | None]:
+        """Every process NVML lists on this GPU, compute (CUDA) and graphics (games, the
+        browser, the desktop), with its bytes where the driver gives them (None under
+        Windows' WDDM, and for a process in both lists without a figure); {} on failure."""
+        found: dict[int, int | None] = {}
+        for call in ("nvmlDeviceGetComputeRunningProcesses",
+                     "nvmlDeviceGetGraphicsRunningProcesses"):
+            try:
+                listed = getattr(self._nvml, call)(self._handle)
+            except Exception:
+                continue
+            for proc in listed:
+                used = proc.usedGpuMemory
+                known = found.get(proc.pid)
+                found[proc.pid] = (known if used is None else
+                                   int(used) if known is None else max(known, int(used)))
+        return found
+
     def utilization(self) -> float | None:
         """Share of NVML's last sample period (1/6 s to 1 s) in which the GPU ran a kernel,
         any program's; None when NVML cannot tell (a MIG instance, an error)."""

@@ -161,6 +161,14 @@ export interface ModelMemory {
 }
 
 /** `GET /v1/memory` (see the README's API section for each field). */
+/** Another program using the GPU, as NVML lists it. */
+export interface GpuProgram {
+  pid: number;
+  name: string;
+  /** null where the driver does not say (often under Windows' WDDM). */
+  used_bytes: number | null;
+}
+
 export interface MemoryReport {
   device: string;
   source: string;
@@ -173,6 +181,7 @@ export interface MemoryReport {
   peak_allocated_bytes: number;
   peak_reserved_bytes: number;
   others_bytes: number;
+  other_programs: GpuProgram[];
   weights_bytes: number;
   overhead_bytes: number;
   configured_budget_bytes: number;

@@ -75,7 +75,8 @@ Module functions: ``nvmlInit``, ``nvmlShutdown``, ``nvmlSystemGetDriverVersion``
 ``nvmlDeviceGetHandleByPciBusId``, ``nvmlDeviceGetName``,
 ``nvmlDeviceGetMemoryInfo(handle, version=None)`` (``version=nvmlMemory_v2``
 gives ``.reserved``), ``nvmlDeviceGetComputeRunningProcesses``,
-``nvmlDeviceGetUtilizationRates`` (``.gpu``, ``.memory``),
+``nvmlDeviceGetGraphicsRunningProcesses`` (``graphics_processes``: ``{pid: bytes or
+None}``), ``nvmlDeviceGetUtilizationRates`` (``.gpu``, ``.memory``),
 ``nvmlDeviceGetMigMode`` (``[current, pending]``), ``nvmlDeviceGetDriverModel``
 (``[current, pending]``), ``nvmlDeviceIsMigDeviceHandle``; plus ``NVMLError``
 and the ``NVML_*`` constants the app uses. ``install_gpu(monkeypatch, **cuda_kwargs)``
@@ -367,7 +368,8 @@ class NvmlStandIn:
         self.driver_version = "595.20"
         self.pid = os.getpid()
         self.process_used: int | type[_Auto] | None = _Auto
-        self.other_processes: dict[int, int] = {}
+        self.other_processes: dict[int, int | None] = {}  # compute: CUDA programs
+        self.graphics_processes: dict[int, int | None] = {}  # games, browsers, the desktop
         self.mig = False
         self.driver_model: int | None = None
         self.utilization = (0, 0)
@@ -420,7 +422,9 @@ class NvmlStandIn:
             self.initialized = False
 
         def memory_info(h: Any, version: int | None = None) -> types.SimpleNamespace:
-            used = self._own_use() + self.cuda.others + sum(self.other_processes.values())
+            used = (self._own_use() + self.cuda.others
+                    + sum(n or 0 for n in self.other_processes.values())
+                    + sum(n or 0 for n in self.graphics_processes.values()))
             if version:
                 return types.SimpleNamespace(version=version, total=self.total,
                                              reserved=self.driver_reserved, used=used,
@@ -438,6 +442,11 @@ class NvmlStandIn:
                                            computeInstanceId=0)
                      for pid, used in self.other_processes.items()]
             return rows
+
+        def graphics(h: Any) -> list[types.SimpleNamespace]:
+            return [types.SimpleNamespace(pid=pid, usedGpuMemory=used, gpuInstanceId=0,
+                                          computeInstanceId=0)
+                    for pid, used in self.graphics_processes.items()]
 
         def driver_model(h: Any) -> list[int]:
             if self.driver_model is None:
@@ -458,6 +467,7 @@ class NvmlStandIn:
         wrap("nvmlDeviceGetName", lambda h: self.cuda.name)
         wrap("nvmlDeviceGetMemoryInfo", memory_info)
         wrap("nvmlDeviceGetComputeRunningProcesses", processes)
+        wrap("nvmlDeviceGetGraphicsRunningProcesses", graphics)
         wrap("nvmlDeviceGetUtilizationRates", lambda h: types.SimpleNamespace(
             gpu=self.utilization[0], memory=self.utilization[1]))
         wrap("nvmlDeviceGetMigMode", lambda h: [int(self.mig)] * 2)

@@ -7,11 +7,13 @@ says about it all."""
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import yaml
@@ -354,6 +356,18 @@ def test_a_batch_reads_the_allocators_figures_once_per_phase(gpu):
     assert isinstance(engine.batcher.submit(image(), 10).result(10), Prediction)
     assert not {name: cuda.calls[name] for name in FLATTENED if cuda.calls[name]}
     assert cuda.calls["memory_stats_as_nested_dict"] <= 6
+
+
+def test_the_memory_report_lists_the_other_programs_on_the_gpu(gpu):
+    """/v1/memory (and so the dashboard and the tray, which read its figures): who took
+    the memory, by name; here the parent of this test process holds 2 GiB."""
+    make, _, nvml = gpu
+    parent = os.getppid()
+    nvml.graphics_processes = {parent: 2 * GiB}
+    engine = make()
+    report = engine.batcher.call(engine.memory_report).result(10)
+    assert [(p.pid, p.name, p.used_bytes) for p in report.other_programs] == [
+        (parent, psutil.Process(parent).name(), 2 * GiB)]
 
 
 def test_gpu_utilisation_comes_from_nvml(gpu):
