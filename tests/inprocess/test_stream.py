@@ -269,10 +269,10 @@ async def test_pauses_for_room_are_not_stalls_but_a_client_stall_is(tmp_path: Pa
 @pytest.mark.anyio
 async def test_each_image_costs_a_token_and_waiting_for_one_is_no_refusal(
         tmp_path: Path) -> None:
-    """A burst of 3 at 20/s: 8 images wait for 5 tokens (about 0.25 s), none is refused,
-    and the client's bucket is empty afterwards, as after 8 single requests."""
+    """A burst of 3 at 5/s: 8 images wait for 5 tokens (about 1 s), none is refused, and
+    the client's bucket is empty afterwards, as after 8 single requests."""
     images = [(f"{i}.png", png()) for i in range(8)]
-    with built_app(tmp_path, ready=True, classify_burst=3, classify_per_s=20) as app:
+    with built_app(tmp_path, ready=True, classify_burst=3, classify_per_s=5) as app:
         async with client(app) as http:
             started = time.monotonic()
             response = await http.post(PATH, content=chunks(images), headers=HEADERS)
@@ -281,9 +281,15 @@ async def test_each_image_costs_a_token_and_waiting_for_one_is_no_refusal(
                                      headers={"Content-Type": "image/png"})
             stats = (await http.get("/v1/stats")).json()
     assert lines(response)[-1]["summary"]["ok"] == 8
-    assert took >= 0.2
-    assert single.status_code == 429
-    assert stats["rate_limited"] == 1  # the single request; the stream's waits are not
+    assert took >= 0.9
+    # The eighth token was taken 1 s after the start at the earliest; a new one comes
+    # 0.2 s later. A test machine busy enough to delay the single request past that has
+    # refilled the bucket honestly, so the refusal is asserted only when it must happen.
+    if took < 1.15:
+        assert single.status_code == 429
+        assert stats["rate_limited"] == 1  # the single request; the stream's waits are not
+    else:
+        assert stats["rate_limited"] == (1 if single.status_code == 429 else 0)
 
 
 def test_the_stream_route_is_an_image_route() -> None:
