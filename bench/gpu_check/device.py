@@ -18,10 +18,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from bench.gpu_check import lite_standin
 from bench.gpu_check.plan import (
     ALLOCATOR_ENV,
     DEFAULT_MODEL_IMPORTS,
     DRIVER_MODELS,
+    LITE,
     MULTI_MODEL_IMPORTS,
     OPTIONAL_IMPORTS,
     REQUIRED_IMPORTS,
@@ -41,6 +43,11 @@ def imports(check: Check, out: dict[str, Any]) -> str:
     distributions = importlib.metadata.packages_distributions()
     failed = []
     for name in wanted:
+        if name == lite_standin.PACKAGE and all(
+                out.get(n, {}).get("ok") for n in ("torch", "efficientnet_lite_pytorch")):
+            made = lite_standin.provide(check.workdir / "lite-standin")
+            if made is not None:
+                check.stand_ins[LITE[2]] = made
         started = time.perf_counter()
         try:
             module = importlib.import_module(name)
@@ -58,6 +65,8 @@ def imports(check: Check, out: dict[str, Any]) -> str:
         out[name] = {"ok": True, "version": None if top == "app" else str(version),
                      "from": str(Path(module.__file__ or "").parent),
                      "seconds": round(time.perf_counter() - started, 3)}
+        if name == lite_standin.PACKAGE and LITE[2] in check.stand_ins:
+            out[name]["stand_in"] = check.stand_ins[LITE[2]]
     torch = sys.modules.get("torch")
     check.has_torch = torch is not None
     check.pynvml = sys.modules.get("pynvml")

@@ -44,6 +44,9 @@ async def classify_espresso(check: Check, engine: InferenceEngine, name: str
     with engine.admit(60.0, name) as place:
         prediction = await engine.classify(sample, 60.0, place, name)
     label = model.labels[int(prediction.ranked.indices[0])]
+    if name in check.stand_ins:  # seeded weights: any label is their answer
+        return {"top1": label, "score": round(float(prediction.ranked.scores[0]), 4),
+                "espresso": None, "stand_in": check.stand_ins[name]}
     if label != "espresso":
         check.fail("wrong_answer", "multi_model", f"{name} on {check.device} took the "
                    f"espresso photo for '{label}'")

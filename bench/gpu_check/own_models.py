@@ -5,7 +5,7 @@ process), then loaded on the device by the engine, measured, and asked.
 The model is made here by the machine's own torch (a small seeded convolutional classifier
 for three labels), so nothing is carried for it: ``torch.export`` writes the .pt2 and
 torch's TorchScript ONNX exporter (opset 17) the ONNX file. Reading ONNX takes the onnx and
-onnx2torch packages, which the carry has no room for beside the three Lite weight wheels;
+onnx2torch packages, which the carry has no room for beside the Lite weight wheels;
 without them the ONNX half is skipped and says so. Each answer is compared with the same
 model run on the CPU here.
 """

@@ -96,6 +96,7 @@ class Check:
         self.increases: dict[int, int] | None = None
         self.photos: dict[tuple[int, int], np.ndarray] = {}  # the espresso photo per size
         self.model_fits: dict[str, MemoryFit] = {}
+        self.stand_ins: dict[str, str] = {}  # models made here, not carried: what was made
         self.workdir = Path(tempfile.mkdtemp(prefix="vramguard-gpu-check-"))
         self._engines = 0  # engines made: each gets its own profile folder
         self.config_file = self.workdir / "config.toml"
