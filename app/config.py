@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
+import sys
 from collections.abc import Mapping
 from contextvars import ContextVar
 from pathlib import Path
@@ -77,6 +78,14 @@ def default_models_dir() -> Path:
     """The per-user folder of own models (``vramguard models add``), kept on uninstall
     unless the user asks otherwise."""
     return Path(platformdirs.user_data_dir(APP_NAME, appauthor=False)) / "models"
+
+
+def default_gpu_claims_dir() -> Path:
+    """Per computer, not per user, so that every user's vramguards see each other on a GPU:
+    ProgramData on Windows, /tmp elsewhere."""
+    if sys.platform == "win32":
+        return Path(os.environ.get("PROGRAMDATA", r"C:\ProgramData")) / APP_NAME / "gpus"
+    return Path("/tmp") / f"{APP_NAME}-gpus"
 
 
 def default_token_file() -> Path:
@@ -209,7 +218,11 @@ class Settings(BaseSettings):
     batch_size: int | None = Field(None, ge=1, description="Use this batch size instead of "
                                    "the one warmup measures as fastest.")
     memory_fraction: float = Field(0.7, gt=0, le=1, description="Share of the device's memory "
-                                   "vramguard may plan for (weights and overhead included).")
+                                   "vramguard may plan for (weights and overhead included); "
+                                   "shared equally by the vramguards on one GPU.")
+    gpu_claims_dir: Path = Field(default_factory=default_gpu_claims_dir, description="Folder, "
+                                 "for every user of the computer, where each vramguard on a "
+                                 "GPU says so, to share memory_fraction with the others.")
     memory_budget: ByteSize | None = Field(None, gt=0, description="Upper limit on the "
                                            "memory vramguard's models may take together: "
                                            "the weights of every loaded model plus the "

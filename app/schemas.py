@@ -179,6 +179,15 @@ class GpuProgram(BaseModel):
                                    "not say (often under Windows' WDDM).")
 
 
+class SharingServer(BaseModel):
+    """Another vramguard on the same GPU (another user's, or on another port)."""
+
+    pid: int
+    port: int
+    used_bytes: int | None = Field(description="Its GPU memory; null where the driver does "
+                                   "not say (often under Windows' WDDM).")
+
+
 def programs_line(programs: list[GpuProgram], shown: int = 3) -> str:
     """'game.exe 2.0 GiB, chrome.exe (memory unknown) and 2 more', for the tray and doctor."""
     named = [f"{p.name} {human_bytes(p.used_bytes)}" if p.used_bytes is not None
@@ -265,6 +274,12 @@ class MemoryReport(BaseModel):
     cpu_instead_of_gpu: str | None = Field(None, description="Why vramguard runs on the CPU "
                                            "although an NVIDIA GPU is present (an old GPU "
                                            "this build cannot use); absent otherwise.")
+    sharing_with: list[SharingServer] = Field(
+        default_factory=list, description="Other vramguards on this GPU: with them, each "
+        "plans for an equal share of memory_fraction (empty when alone or on the CPU).")
+    sharing_problem: str | None = Field(None, description="Why other vramguards on this GPU "
+                                        "cannot be seen (their folder cannot be written); "
+                                        "absent otherwise.")
     models: list[ModelMemory] = Field(default_factory=list, description="The loaded models "
                                       "and what each takes (weights_bytes above is their "
                                       "sum).")

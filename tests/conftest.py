@@ -92,6 +92,9 @@ def _isolated_user_dirs(tmp_path_factory, monkeypatch):
     for name in list(__import__("os").environ):
         if name.startswith("VRAMGUARD_"):
             monkeypatch.delenv(name)
+    # The per-computer folder where vramguards on one GPU find each other: one per test,
+    # or the CUDA stand-ins of tests running side by side would share their one "GPU".
+    monkeypatch.setenv("VRAMGUARD_GPU_CLAIMS_DIR", str(home / "gpu-claims"))
 
 
 @pytest.fixture(scope="session")

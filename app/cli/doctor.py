@@ -30,6 +30,7 @@ def run_doctor(settings: Settings, config_file: Path) -> int:
     from app.units import human_bytes
 
     line = checks.add
+    engine: InferenceEngine | None = None
     try:
         started = time.perf_counter()
         engine = InferenceEngine(settings)
@@ -40,6 +41,8 @@ def run_doctor(settings: Settings, config_file: Path) -> int:
     except (ModelLoadError, RuntimeError, OSError) as exc:
         line("model", exc, ok=False)
         print(f"{checks.problems} problem(s) found")
+        if engine is not None:
+            engine.models.sharing.release()
         return 1
     fit = runtime.memory.fit
     line("batch size", f"{engine.batcher.max_batch} "
@@ -53,6 +56,13 @@ def run_doctor(settings: Settings, config_file: Path) -> int:
         programs = other_programs(probe.nvml)
         line("other programs on the GPU", programs_line(programs) if programs else
              "none listed" if probe.nvml is not None else "unknown (NVML is not available)")
+        sharing = engine.models.sharing
+        if sharing.problem is not None:
+            line("other vramguards on the GPU", f"cannot be seen: {sharing.problem}", ok=False)
+        else:
+            line("other vramguards on the GPU", "none" if not sharing.others else
+                 ", ".join(f"process {c.pid} on port {c.port}" for c in sharing.others)
+                 + f": each plans for {sharing.share:.0%} of its memory")
     line("leak check", leak_check_verdict(not isinstance(probe, CpuProbe) or probe.tracker
                                           is not None, settings.idle_release_s or IDLE_PERIOD_S))
     print(f"   {LIMIT.name.lower()} and {ROOM_FOR_IMAGES.name.lower()}:")
@@ -72,4 +82,5 @@ def run_doctor(settings: Settings, config_file: Path) -> int:
         line(ROOM_FOR_IMAGES.name.lower(), "too small for even one image: close programs "
              "that use the GPU, or raise memory_fraction", ok=False)
     print("all checks passed" if not checks.problems else f"{checks.problems} problem(s) found")
+    engine.models.sharing.release()
     return 1 if checks.problems else 0

@@ -154,7 +154,7 @@ class Calibration:
         budget = models.rebase(reading, models.weights_total() + size)
         guard = MemoryGuard(budget, memory.fit, max_batch=chosen,
                             high=settings.high_watermark, low=settings.low_watermark)
-        probe.set_backstop(settings.memory_fraction)
+        models.set_backstop()
         probe.reset_peak()
         adaptive = self.adaptive(warmup, points, chosen)
         if reused is not None:

@@ -62,6 +62,7 @@ from app.engine.view import EngineView, build_view
 from app.errors import InsufficientMemory, NotFound
 from app.memory.allocations import LargeAllocationWatch
 from app.memory.probes import MemoryReading, Probe, make_probe
+from app.memory.sharing import SharingFactory, gpu_sharing
 from app.models import LoadedModel
 from app.models.own.store import OwnModels
 from app.models.sources import ModelSources, is_builtin
@@ -82,7 +83,8 @@ class InferenceEngine:
 
     def __init__(self, settings: Settings, *, probe_factory: ProbeFactory = make_probe,
                  model_loader: ModelLoader | None = None, clock: Clock = time.monotonic,
-                 sources: ModelSources | None = None) -> None:
+                 sources: ModelSources | None = None,
+                 sharing: SharingFactory = gpu_sharing) -> None:
         self.settings = settings
         self.sources = sources or ModelSources(OwnModels(
             settings.models_dir, timeout_s=settings.model_check_timeout_s, reserved=is_builtin))
@@ -99,7 +101,7 @@ class InferenceEngine:
             GPU_DEFAULT_WAIT_S if self.device.type == "cuda" else 0.0)
         self.batcher: MicroBatcher[Sample, Outcome] = MicroBatcher(
             max_wait_s=wait_s, queue_size=settings.queue_size)
-        self.models = LoadedModels(settings, self.device, probe_factory)
+        self.models = LoadedModels(settings, self.device, probe_factory, sharing)
         self.profiles = ProfileStore(settings.profile_dir)
         self.calibration = Calibration(settings, self.models, self.profiles, clock,
                                        self.sources.weights_path)
@@ -232,6 +234,7 @@ class InferenceEngine:
     def stop(self) -> None:
         self.phase = Phase.STOPPED
         self.batcher.stop()
+        self.models.sharing.release()  # the other vramguards on the GPU may plan for more
 
     async def acquire(self, name: str | None, timeout_s: float, keep_alive_s: float | None = None,
                       client: str | None = None) -> Runtime:

@@ -116,6 +116,8 @@ class MemoryReports:
             large_allocations=self.allocations.logged,
             gpu_utilization_ratio=nvml.utilization() if nvml is not None else None,
             cpu_instead_of_gpu=self.cpu_instead_of_gpu,
+            sharing_with=self.models.sharing.listed(),
+            sharing_problem=self.models.sharing.problem,
             models=[self.model_memory(n, r) for n, r in named],
         )
 

@@ -30,6 +30,7 @@ from app.memory.budget import Budget
 from app.memory.fit import MemoryFit
 from app.memory.guard import MemoryGuard
 from app.memory.probes import CpuProbe, MemoryReading, Probe
+from app.memory.sharing import GpuSharing, SharingFactory, gpu_sharing
 from app.models import LoadedModel, ModelLoadError, torchvision_models
 from app.schemas import GuardState
 
@@ -172,11 +173,14 @@ def weights_bytes(model: LoadedModel) -> int:
 class LoadedModels:
     """The runtimes by name, their residency and counters, the probe and the budget."""
 
-    def __init__(self, settings: Settings, device: torch.device, make_probe: ProbeFactory
-                 ) -> None:
+    def __init__(self, settings: Settings, device: torch.device, make_probe: ProbeFactory,
+                 make_sharing: SharingFactory = gpu_sharing) -> None:
         self.settings = settings
         self.device = device
         self._make_probe = make_probe
+        self._make_sharing = make_sharing
+        # Alone until the probe names the GPU.
+        self.sharing = GpuSharing(fraction=settings.memory_fraction)
         self.runtimes: dict[str, Runtime] = {}
         self.residents: dict[str, Residency] = {}
         self.outcomes: dict[str, ModelOutcomes] = {}
@@ -206,6 +210,8 @@ class LoadedModels:
         if self.probe is None:
             cap = int(self.settings.cpu_memory_cap) if self.settings.cpu_memory_cap else None
             self.probe = self._make_probe(self.device, 0, cap)
+            self.sharing = self._make_sharing(self.settings, self.probe)
+            self.sharing.start()
         return self.probe
 
     def weights_total(self) -> int:
@@ -225,9 +231,21 @@ class LoadedModels:
         assert self.probe is not None
         settings = self.settings
         return Budget(total=reading.total, fraction=settings.memory_fraction,
+                      servers=self.sharing.servers,
                       weights=self.weights_total() if weights is None else weights,
-                      workspaces=self.probe.workspaces, overhead=reading.overhead,
+                      workspaces=self.probe.workspaces,
+                      overhead=max(0, reading.overhead - self.sharing.others_bytes),
                       cap=int(settings.memory_budget) if settings.memory_budget else None)
+
+    def others_now(self, reading: MemoryReading) -> int:
+        """What other programs use, less the other vramguards on this GPU (they plan for
+        their own share)."""
+        return max(0, reading.others - self.sharing.others_bytes)
+
+    def set_backstop(self) -> None:
+        """The allocator's own hard limit at this server's share of the device."""
+        if self.probe is not None:
+            self.probe.set_backstop(self.sharing.share)
 
     def share(self, budget: Budget) -> None:
         """One budget for every loaded model's guard."""
@@ -239,7 +257,7 @@ class LoadedModels:
         """A budget from a fresh reading, shared by every guard: its overhead holds what
         other programs use now, so their growth is counted from now on (not once in the
         overhead and again as growth since the start)."""
-        self.others_base = reading.others
+        self.others_base = self.others_now(reading)
         budget = self.budget_for(reading, weights)
         self.share(budget)
         return budget

@@ -80,8 +80,10 @@ class Upkeep:
         if runtime is None:
             return None
         probe = runtime.probe
+        if models.sharing.refresh():
+            self._reshare()
         reading = probe.read()
-        growth = reading.others - models.others_base
+        growth = models.others_now(reading) - models.others_base
         for each in list(models.runtimes.values()):
             each.guard.shrink_for_others(growth)
         usage, self._peak_since_tick = max(self._peak_since_tick, probe.held()), 0
@@ -102,6 +104,14 @@ class Upkeep:
             self._idle_period(runtime, idle)
         self.reports.last = self.reports.report(runtime)
         return reading
+
+    def _reshare(self) -> None:
+        """Another vramguard came to this GPU or left it: this one's share, budget and
+        allocator limit follow, and the log says so."""
+        models = self.models
+        models.rebudget()
+        models.set_backstop()
+        log.warning("%s", models.sharing.describe())
 
     def _idle_period(self, runtime: Runtime, idle: float) -> None:
         """Diagnose what tensors still hold with nothing running, then give the cache back:

@@ -1,7 +1,10 @@
 """The VRAM budget for images in flight.
 
-``room = total x fraction - workspaces - overhead``, capped by the ``memory_budget``
-setting, is what vramguard's models may take together on the device; the budget for
+``room = total x fraction / servers - workspaces - overhead``, capped by the
+``memory_budget`` setting, is what vramguard's models may take together on the device
+(``servers``: the vramguards on this GPU, each planning for its share of the fraction;
+``overhead`` then leaves out what the others use, where the driver reports it, so it is
+not subtracted twice); the budget for
 images in flight is what the loaded models' weights leave of it:
 ``budget = room - sum of the loaded models' weights``. Every batch is sized to it, and a
 model loads only when ``sum of weights + the largest batch of any loaded model`` fits in
@@ -29,10 +32,16 @@ class Budget:
     overhead: int
     cap: int | None = None
     workspaces: int = 0
+    servers: int = 1  # vramguards on this GPU, this one included
+
+    @property
+    def share(self) -> float:
+        """The fraction of the device this server plans for."""
+        return self.fraction / max(1, self.servers)
 
     @property
     def formula_room(self) -> int:
-        return int(self.total * self.fraction) - self.workspaces - self.overhead
+        return int(self.total * self.share) - self.workspaces - self.overhead
 
     @property
     def room(self) -> int:
@@ -56,6 +65,9 @@ class Budget:
         out = [
             f"{GPU_MEMORY.name:<18} {human_bytes(self.total)}",
             f"x fraction         {self.fraction:.2f} = {human_bytes(self.total * self.fraction)}",
+            *([f"/ {self.servers} vramguards    = {human_bytes(self.total * self.share)} "
+               "(each vramguard on this GPU plans for its share)"]
+              if self.servers > 1 else []),
             *([f"- workspaces       {human_bytes(self.workspaces)} (kept allocated by GPU "
                "libraries after warmup)"] if self.workspaces else []),
             f"- overhead         {human_bytes(self.overhead)} (measured: device use torch "

@@ -101,6 +101,8 @@ class CudaProbe:
         bus = (f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:"
                f"{props.pci_device_id:02X}.0")
         self.nvml = Nvml.open(bus, device.index or 0)
+        # What other vramguards on this GPU name it by: a MIG instance has a UUID of its own.
+        self.gpu_id = str(getattr(props, "uuid", "") or bus)
         self.workspaces = 0
         self._pid_listed = False
         self._memory_nvml = self._choose_memory_source()

@@ -169,6 +169,14 @@ export interface GpuProgram {
   used_bytes: number | null;
 }
 
+/** Another vramguard on the same GPU: with it, each plans for an equal share. */
+export interface SharingServer {
+  pid: number;
+  port: number;
+  /** null where the driver does not say (often under Windows' WDDM). */
+  used_bytes: number | null;
+}
+
 export interface MemoryReport {
   device: string;
   source: string;
@@ -211,6 +219,8 @@ export interface MemoryReport {
   large_allocations: number;
   gpu_utilization_ratio?: number | null;
   cpu_instead_of_gpu?: string | null;
+  sharing_with: SharingServer[];
+  sharing_problem?: string | null;
   models: ModelMemory[];
 }
 

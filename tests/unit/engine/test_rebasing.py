@@ -6,68 +6,26 @@ the runtime installed, the budget computed again from a fresh reading."""
 
 from __future__ import annotations
 
-import time
-
 import torch
-from cuda_standin import CudaStandIn, GiB, MiB, StandInForward, install_gpu
+from cuda_standin import CudaStandIn, GiB, MiB, install_gpu
+from standin_engine import WEIGHTS, Clock, budget, engine_for, tick
+from standin_engine import load as load_on
 
-from app.config import load_settings
-from app.engine.engine import InferenceEngine, MemoryCost, Phase, Runtime
-from app.engine.oom import OomRecovery
-from app.memory.fit import MemoryFit
-from app.memory.guard import MemoryGuard
+from app.engine.engine import InferenceEngine
 from app.schemas import MemoryReport
-
-WEIGHTS = 100 * MiB
-
-
-class Clock:
-    """The engine's clock, moved on by hand: quiet spells without waiting for them."""
-
-    def __init__(self) -> None:
-        self.now = time.monotonic()
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def engine_on(monkeypatch, tmp_path) -> tuple[InferenceEngine, CudaStandIn, Clock]:
     cuda, _ = install_gpu(monkeypatch, total=8 * GiB, context=200 * MiB)
     clock = Clock()
-    engine = InferenceEngine(load_settings(device="cuda", memory_fraction=0.7,
-                                           idle_release_s=1, log_dir=tmp_path / "logs",
-                                           profile_dir=tmp_path / "profiles"), clock=clock)
-    return engine, cuda, clock
+    return engine_for(tmp_path, clock), cuda, clock
 
 
 WEIGHTS_ON_DEVICE: dict[str, int] = {}
 
 
 def load(engine: InferenceEngine, cuda: CudaStandIn, name: str) -> None:
-    """A model of WEIGHTS bytes, 50 MiB per image, loaded and installed on the stand-in."""
-    WEIGHTS_ON_DEVICE[name] = cuda.alloc(WEIGHTS)
-    probe = engine.models.the_probe()
-    engine.models.set_weights(engine.models.weights_total() + WEIGHTS)  # as calibration does
-    probe.set_baseline()
-    fit = MemoryFit(0, 50 * MiB)
-    guard = MemoryGuard(engine.models.budget_for(probe.read(), engine.models.weights_total()
-                                                 + WEIGHTS), fit, max_batch=8)
-    recovery = OomRecovery(StandInForward(cuda, 50 * MiB), guard, probe)
-    engine.install(Runtime(None, None, probe, guard, recovery,  # type: ignore[arg-type]
-                           MemoryCost(WEIGHTS, 0, 0, fit, [(1, 50 * MiB)]), None), name=name)
-    engine.models.rebudget()
-    engine.phase = Phase.READY
-
-
-def budget(engine: InferenceEngine) -> int:
-    runtime = engine.models.primary
-    assert runtime is not None
-    return runtime.guard.budget_bytes
-
-
-def tick(engine: InferenceEngine, clock: Clock, after_s: float = 1.0) -> None:
-    clock.now += after_s
-    engine.tick()
+    load_on(engine, cuda, name, WEIGHTS_ON_DEVICE)
 
 
 def test_another_programs_memory_is_subtracted_once_across_loads_and_an_unload(
