@@ -16,7 +16,7 @@ import sys
 from collections.abc import Mapping
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import platformdirs
@@ -220,6 +220,13 @@ class Settings(BaseSettings):
     memory_fraction: float = Field(0.7, gt=0, le=1, description="Share of the device's memory "
                                    "vramguard may plan for (weights and overhead included); "
                                    "shared equally by the vramguards on one GPU.")
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="How the models compute: fp32; bf16 or fp16 (faster on a GPU "
+        "that has them, scores about 0.005 apart); auto: fp32 until a measurement on "
+        "the GPU says otherwise.")
+    channels_last: bool = Field(False, description="Store images and convolution weights "
+                                "in the channels-last layout (faster for some models on "
+                                "some GPUs and CPUs; results equal to within rounding).")
     gpu_claims_dir: Path = Field(default_factory=default_gpu_claims_dir, description="Folder, "
                                  "for every user of the computer, where each vramguard on a "
                                  "GPU says so, to share memory_fraction with the others.")

@@ -142,7 +142,8 @@ def _prepare(state: AppState, model: LoadedModel, data: bytes, deadline: float,
     pixels, decoded and preprocessed by a decode worker process before ``deadline``."""
     key = None
     if use_cache and state.cache is not None:
-        key = cache_key(data, model.name, model.weights_version, numerics(model.device), task)
+        key = cache_key(data, model.name, model.weights_version,
+                        numerics(model.device, model.numerics), task)
         hit: Cached | None
         if task == CLASSIFY:
             hit = state.cache.get(key)

@@ -50,6 +50,7 @@ from app.memory.probes import Probe
 from app.memory.trim import give_back_to_os
 from app.models import LoadedModel
 from app.models.own.trial import folder_bytes
+from app.models.precision import requested
 from app.models.registry import fingerprint
 
 log = logging.getLogger("vramguard.engine")
@@ -71,7 +72,9 @@ class Calibration:
 
     def profile_key(self, name: str, weights_version: str) -> ProfileKey:
         device, driver = device_identity(self.models.device)
-        return ProfileKey(name, weights_version, device, driver, torch.__version__)
+        settings = self.settings
+        return ProfileKey(name, weights_version, device, driver, torch.__version__,
+                          requested(settings.precision, settings.channels_last))
 
     def weights_path(self, name: str) -> Path:
         return self._locate(name, self.settings.weights if name == self.settings.model

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -65,6 +66,7 @@ from app.memory.probes import MemoryReading, Probe, make_probe
 from app.memory.sharing import SharingFactory, gpu_sharing
 from app.models import LoadedModel
 from app.models.own.store import OwnModels
+from app.models.precision import choose
 from app.models.sources import ModelSources, is_builtin
 from app.schemas import MemoryReport
 from app.units import human_bytes
@@ -318,7 +320,15 @@ class InferenceEngine:
         """Load a model on the calling thread (the server calls it on the device thread)."""
         name = name or self.settings.model
         weights = self.settings.weights if name == self.settings.model else None
-        return self._model_loader(name, self.device, weights)
+        model = self._model_loader(name, self.device, weights)
+        settings = self.settings
+        numerics = choose(settings.precision, settings.channels_last, model.device,
+                          model.family, name)
+        if numerics != model.numerics:
+            numerics.module(model.module)
+            model = dataclasses.replace(model, numerics=numerics)
+            log.info("%s runs in %s", name, numerics.label)
+        return model
 
     def warm_up(self, model: LoadedModel, *, pinned: bool = True,
                 started: float | None = None, first_only: bool = False) -> Runtime:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from app.models import LoadedModel, tap_features
+from app.models.precision import FP32, Numerics
 
 CUDNN_BENCHMARK = False  # why: see Predictor.__init__
 
@@ -55,18 +56,20 @@ class Prediction:
     embedding: np.ndarray | None = None
 
 
-def numerics(device: torch.device) -> str:
+def numerics(device: torch.device, model: Numerics = FP32) -> str:
     """What, besides the model and the image, decides a result's last digits: the device
-    type and, on CUDA, whether TF32 may stand in for float32 in convolutions and matrix
-    products. A GPU's scores differ from the CPU's by about 1e-3; the result cache keys
-    by this so that an answer computed one way is never served as the other."""
+    type, the model's precision and layout (``app.models.precision``) and, on CUDA,
+    whether TF32 may stand in for float32 in convolutions and matrix products. A GPU's
+    scores differ from the CPU's by about 1e-3, bf16's from fp32's by about 5e-3; the
+    result cache keys by this so that an answer computed one way is never served as the
+    other."""
     if device.type != "cuda":
-        return device.type
+        return device.type if model == FP32 else f"{device.type} {model.label}"
     backends: Any = torch.backends  # fp32_precision (torch >= 2.9) is not in torch's stubs
     root = backends.fp32_precision
     conv = _first_set(backends.cudnn.conv.fp32_precision, backends.cudnn.fp32_precision, root)
     matmul = _first_set(backends.cuda.matmul.fp32_precision, root)
-    return f"cuda conv={conv} matmul={matmul}"
+    return f"cuda {model.label} conv={conv} matmul={matmul}"
 
 
 def _first_set(*precisions: str) -> str:
@@ -148,6 +151,7 @@ class Predictor:
             batch = torch.stack(pixels).to(model.device)
         else:
             batch = self.staging.upload(pixels, model.device)
+        batch = model.numerics.batch(batch)  # on the device: the copy stays fp32 pixels
         size = len(samples)
         embedded: list[np.ndarray | None] = [None] * size
         with torch.inference_mode():

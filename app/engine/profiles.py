@@ -47,6 +47,7 @@ class ProfileKey:
     device: str
     driver: str
     torch: str
+    numerics: str = "auto"  # the precision and channels_last settings (app.models.precision)
 
     def file_name(self) -> str:
         text = json.dumps(asdict(self), sort_keys=True)

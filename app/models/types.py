@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from app.models.precision import FP32, Numerics
 from app.preprocessing import Preprocessing
 
 
@@ -39,6 +40,8 @@ class LoadedModel:
     # One of the user's own, from the models folder (its family alone cannot say: an own
     # model may be a torchvision one).
     own: bool = False
+    # The precision and layout it runs in (app.models.precision), set once it is loaded.
+    numerics: Numerics = FP32
 
     @property
     def num_classes(self) -> int:

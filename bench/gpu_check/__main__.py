@@ -34,7 +34,16 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench.gpu_check import device, memory, models, oom, own_models, server_path, speed
+from bench.gpu_check import (
+    device,
+    memory,
+    models,
+    oom,
+    own_models,
+    precision,
+    server_path,
+    speed,
+)
 from bench.gpu_check.plan import (
     CUDA_ONLY,
     DRY_DEFAULT_OUT,
@@ -58,7 +67,8 @@ RUNS: dict[str, Callable[[Check, dict[str, Any]], str]] = {
     "first_forward": memory.first_forward, "warmup": memory.warmup,
     "empty_cache": memory.empty_cache, "batch_peaks": memory.batch_peaks,
     "split_timings": speed.split_timings, "throughput": speed.throughput,
-    "tick_cost": speed.tick_cost, "snapshot_cost": speed.snapshot_cost,
+    "precision": precision.precision, "tick_cost": speed.tick_cost,
+    "snapshot_cost": speed.snapshot_cost,
     "latency_p50": speed.latency_p50, "forced_oom": oom.forced_oom,
     "server_path": server_path.server_path, "pressure_oom": oom.pressure_oom,
     "multi_model": models.multi_model, "own_models": own_models.own_models,

@@ -84,6 +84,10 @@ SPECS = (
              needs=("warmup",), min_s=5),
     StepSpec("throughput", "images/s at the chosen and largest batch; GPU utilisation",
              needs=("warmup",), min_s=5),
+    StepSpec("precision", "fp32, bf16 and fp16, each with channels_last off and on, at the "
+             "chosen batch size: images/s, memory per image, the largest score difference "
+             "and top-1 agreement against fp32 on the test photos; the default to give this "
+             "GPU", needs=("warmup",), limit_s=60, min_s=10),
     StepSpec("tick_cost", "what the once-a-second memory reading costs", needs=("warmup",)),
     StepSpec("snapshot_cost", "what recording allocator history and a snapshot dump cost",
              cuda="records CUDA allocator history", needs=("warmup",)),

@@ -63,6 +63,13 @@ def test_the_dry_run_records_every_step_on_the_cpu(tmp_path):
     assert set(report["stages"]) >= {"load", "first_forward", "warmup", "after_empty_cache",
                                      "multi_model", "end"}
     check_multi_model(steps["multi_model"]["result"])
+    precision = steps["precision"]["result"]
+    rows = {(r["precision"], r["channels_last"]): r for r in precision["rows"]}
+    assert len(rows) == 6 and rows[("fp32", False)]["largest_difference"] == 0.0
+    for setting, row in rows.items():  # every setting runs on the CPU and agrees
+        assert row["agrees"] and row["top1_same"][0], (setting, row)
+        assert row["largest_difference"] < 0.02 and row["images_per_s"] > 0, (setting, row)
+    assert precision["recommended"]["on"] == "cpu"
     own = steps["own_models"]["result"]
     for form in ("export", "onnx"):  # onnx and onnx2torch are installed here
         assert own[form]["device"] == "cpu" and own[form]["weights_bytes"] > 0, own
