@@ -108,6 +108,13 @@ class StagingBuffer:
         self._copied.record(torch.cuda.current_stream(device))
         return on_device
 
+    def release(self) -> None:
+        """Give the buffer back (the idle release, Empty GPU cache): page-locked memory
+        held at twice the largest batch for ever is the computer's, not only vramguard's.
+        The next batch takes a new one, paying the page-locking once more."""
+        self._wait()
+        self.buffer = None
+
     def _wait(self) -> None:
         """Wait until the last copy out of the buffer is done before overwriting it. A
         batch that completes has already waited (its results were copied back); one that

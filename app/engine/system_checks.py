@@ -13,9 +13,13 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from app import __version__
 from app.config import Settings
+
+if TYPE_CHECKING:
+    import torch
 from app.host.native_libs import check_cuda_libraries, check_driver, check_vc_runtime, library_dirs
 
 DRIVER_MODEL_NOTES = {
@@ -82,15 +86,21 @@ def native_libraries(settings: Settings, checks: Checks) -> None:
                "https://www.nvidia.com/drivers", ok=driver.ok or not wants_gpu)
 
 
-def nvidia_driver(cuda_available: bool, checks: Checks) -> None:
+def nvidia_driver(cuda_available: bool, checks: Checks, device: torch.device | None = None
+                  ) -> None:
     """What NVML says about the driver: version, driver model (Windows only) and MIG mode,
-    which decide where vramguard's memory figures can come from."""
+    which decide where vramguard's memory figures can come from; of CUDA ``device`` (found
+    by its PCI bus id: CUDA_VISIBLE_DEVICES renumbers devices for CUDA, not for NVML)."""
     import torch
 
     from app.engine.device import SYSMEM_FALLBACK_ADVICE, driver_verdict
     from app.memory.nvml import Nvml
+    from app.memory.probes import pci_bus_id
 
-    nvml = Nvml.open()
+    if device is not None and device.type == "cuda":
+        nvml = Nvml.open(pci_bus_id(device), device.index or 0)
+    else:
+        nvml = Nvml.open()
     version, version_ok = driver_verdict(nvml.driver_version(), torch.version.cuda) \
         if nvml else ("not found (normal without an NVIDIA GPU)", not cuda_available)
     checks.add("NVIDIA driver (NVML)", version, ok=version_ok)
@@ -132,9 +142,15 @@ def system_checks(settings: Settings, config_file: Path, checks: Checks) -> Chec
     for index in range(torch.cuda.device_count() if cuda else 0):
         props = torch.cuda.get_device_properties(index)
         checks.add(f"  cuda:{index}", f"{props.name}, {props.total_memory / 1024**3:.1f} GiB")
-    nvidia_driver(cuda, checks)
     try:
         device = resolve_device(settings.device)
+    except DeviceError as exc:
+        nvidia_driver(cuda, checks)
+        checks.add("device", exc, ok=False)
+        checks.stopped = True
+        return checks
+    nvidia_driver(cuda, checks, device)
+    try:
         checks.add("device", f"{device} (setting: {settings.device})")
         if cuda and device.type == "cpu" and (too_old := unsupported_gpu(0)):
             checks.add("  why not the GPU", f"{too_old}; vramguard runs on the CPU (slower)",

@@ -162,6 +162,9 @@ class Upkeep:
         """Empty the allocator cache and trust the profile again; bytes held before/after."""
         before = runtime.probe.read().reserved
         runtime.probe.empty_cache()
+        for each in list(self.models.runtimes.values()):
+            if each.predictor is not None and each.predictor.staging is not None:
+                each.predictor.staging.release()
         give_back_to_os()  # the host side too: pinned buffers, the CPU's activations
         for each in list(self.models.runtimes.values()):
             each.guard.relax()

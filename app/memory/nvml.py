@@ -17,6 +17,7 @@ log = logging.getLogger("vramguard.memory")
 # nvmlDeviceGetDriverModel's values; TCC is called WDM in NVML.
 DRIVER_MODELS = {0: "WDDM", 1: "TCC", 2: "MCDM"}
 NVML_ERROR_NOT_SUPPORTED = 3
+NVML_ERROR_FUNCTION_NOT_FOUND = 13
 NVML_DEVICE_MIG_ENABLE = 1
 
 
@@ -56,12 +57,24 @@ class Nvml:
         return version.decode() if isinstance(version, bytes) else str(version)
 
     def driver_model(self) -> str:
-        """WDDM, TCC or MCDM on Windows; "n/a" where NVML does not say (Linux)."""
-        try:
-            current = self._nvml.nvmlDeviceGetDriverModel(self._handle)[0]
-        except Exception:
-            return "n/a"
-        return DRIVER_MODELS.get(int(current), f"unknown ({current})")
+        """WDDM, TCC or MCDM on Windows; "n/a" where NVML does not say (Linux).
+
+        nvidia-ml-py's ``nvmlDeviceGetDriverModel`` calls the ``_v2`` symbol, which a
+        driver older than the library lacks ("Function Not Found"): the v1 one answers
+        there."""
+        nvml = self._nvml
+        for name in ("nvmlDeviceGetDriverModel_v2", "nvmlDeviceGetDriverModel_v1"):
+            call = getattr(nvml, name, None)
+            if call is None:
+                continue
+            try:
+                current = call(self._handle)[0]
+            except Exception as exc:
+                if getattr(exc, "value", None) == NVML_ERROR_FUNCTION_NOT_FOUND:
+                    continue
+                return "n/a"
+            return DRIVER_MODELS.get(int(current), f"unknown ({current})")
+        return "n/a"
 
     def mig_enabled(self) -> bool | None:
         """Whether the GPU is split into MIG instances; None when NVML cannot tell.

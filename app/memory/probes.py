@@ -84,6 +84,14 @@ class Stats:
         return int(self.nested.get("num_ooms", 0))
 
 
+def pci_bus_id(device: torch.device) -> str:
+    """CUDA device ``device``'s PCI address as NVML spells it (robust to
+    CUDA_VISIBLE_DEVICES, which renumbers devices for CUDA but not for NVML)."""
+    # On every CUDA build's device properties, but not in torch's stubs.
+    props: Any = torch.cuda.get_device_properties(device)
+    return f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
+
+
 class CudaProbe:
     """torch.cuda's allocator figures, NVML's whole-device view where it can be trusted.
 
@@ -96,10 +104,8 @@ class CudaProbe:
     def __init__(self, device: torch.device, weights: int) -> None:
         self.device = device
         self.weights = weights
-        # The PCI address is on every CUDA build's device properties, but not in torch's stubs.
-        props: Any = torch.cuda.get_device_properties(device)
-        bus = (f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:"
-               f"{props.pci_device_id:02X}.0")
+        props: Any = torch.cuda.get_device_properties(device)  # uuid: not in torch's stubs
+        bus = pci_bus_id(device)
         self.nvml = Nvml.open(bus, device.index or 0)
         # What other vramguards on this GPU name it by: a MIG instance has a UUID of its own.
         self.gpu_id = str(getattr(props, "uuid", "") or bus)

@@ -334,6 +334,7 @@ NVML_ERROR_NOT_SUPPORTED = 3
 NVML_ERROR_NO_PERMISSION = 4
 NVML_ERROR_NOT_FOUND = 6
 NVML_ERROR_DRIVER_NOT_LOADED = 9
+NVML_ERROR_FUNCTION_NOT_FOUND = 13
 NVML_ERROR_GPU_IS_LOST = 15
 NVML_ERROR_UNKNOWN = 999
 NVML_DRIVER_WDDM, NVML_DRIVER_WDM, NVML_DRIVER_MCDM = 0, 1, 2
@@ -344,6 +345,7 @@ _ERROR_TEXT = {NVML_ERROR_UNINITIALIZED: "Uninitialized", NVML_ERROR_NOT_SUPPORT
                "Not Supported", NVML_ERROR_NO_PERMISSION: "Insufficient Permissions",
                NVML_ERROR_NOT_FOUND: "Not Found", NVML_ERROR_DRIVER_NOT_LOADED:
                "Driver Not Loaded", NVML_ERROR_GPU_IS_LOST: "GPU is lost",
+               NVML_ERROR_FUNCTION_NOT_FOUND: "Function Not Found",
                NVML_ERROR_UNKNOWN: "Unknown Error"}
 
 
@@ -471,7 +473,11 @@ class NvmlStandIn:
         wrap("nvmlDeviceGetUtilizationRates", lambda h: types.SimpleNamespace(
             gpu=self.utilization[0], memory=self.utilization[1]))
         wrap("nvmlDeviceGetMigMode", lambda h: [int(self.mig)] * 2)
-        wrap("nvmlDeviceGetDriverModel", driver_model)
+        # nvidia-ml-py's nvmlDeviceGetDriverModel calls the _v2 symbol; fail("..._v2",
+        # NVML_ERROR_FUNCTION_NOT_FOUND) plays a driver older than the library.
+        wrap("nvmlDeviceGetDriverModel_v2", driver_model)
+        wrap("nvmlDeviceGetDriverModel_v1", driver_model)
+        module.nvmlDeviceGetDriverModel = module.nvmlDeviceGetDriverModel_v2
         wrap("nvmlDeviceIsMigDeviceHandle", lambda h: False)
         for name, value in globals().items():
             if name.startswith("NVML_") or name in ("NVMLError", "nvmlMemory_v2"):

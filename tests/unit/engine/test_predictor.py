@@ -47,6 +47,28 @@ def test_staging_reuses_its_buffer_and_grows_when_needed() -> None:
     assert other_shape.shape == (2, 3, 8, 8)
 
 
+def test_the_idle_release_gives_the_staging_buffer_back(tmp_path) -> None:
+    """Through the engine's release (the idle release and Empty GPU cache): the buffer is
+    dropped, and the next batch stacks into a new one."""
+    from standin_engine import Clock
+
+    from app.config import load_settings
+    from app.engine.engine import InferenceEngine, Phase
+
+    engine = InferenceEngine(load_settings(device="cpu", log_dir=tmp_path / "logs",
+                                           profile_dir=tmp_path / "profiles",
+                                           max_batch_size=2), clock=Clock())
+    runtime = engine.warm_up(engine.load())
+    engine.phase = Phase.READY  # as the server's start does after warmup
+    runtime.predictor.staging = staging = StagingBuffer(pin=False)  # the CUDA path's part
+    staging.stack([s.pixels for s in samples(4)])
+    assert staging.buffer is not None
+    engine.release()
+    assert staging.buffer is None
+    assert staging.stack([s.pixels for s in samples(2)]).shape == (2, 3, 16, 16)
+    engine.stop()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: this path exists only "
                     "there")
 def test_the_cuda_path_uses_a_pinned_buffer() -> None:

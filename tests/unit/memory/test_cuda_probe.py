@@ -232,6 +232,32 @@ def test_doctor_reports_driver_model_and_mig_mode(monkeypatch):
     assert "n/a" in out.split("driver model")[1].splitlines()[0]
 
 
+def test_a_driver_older_than_nvidia_ml_py_still_tells_its_driver_model(monkeypatch):
+    """The library's nvmlDeviceGetDriverModel calls the _v2 symbol, which such a driver
+    lacks: the v1 one answers (with the v1 fallback removed, "n/a")."""
+    from app.memory.nvml import Nvml
+
+    _cuda, nvml = install_gpu(monkeypatch)
+    nvml.driver_model = nvml.module.NVML_DRIVER_WDDM
+    nvml.fail("nvmlDeviceGetDriverModel_v2", nvml.module.NVML_ERROR_FUNCTION_NOT_FOUND)
+    opened = Nvml.open()
+    assert opened is not None and opened.driver_model() == "WDDM"
+    assert nvml.calls["nvmlDeviceGetDriverModel_v1"] == 1
+
+
+def test_doctor_asks_nvml_about_the_device_it_will_use_by_its_bus_id(monkeypatch):
+    """CUDA_VISIBLE_DEVICES renumbers devices for CUDA, not for NVML: index 0 could be
+    another GPU."""
+    import torch
+
+    from app.engine.system_checks import Checks, nvidia_driver
+
+    _cuda, nvml = install_gpu(monkeypatch)
+    nvidia_driver(True, Checks(), torch.device("cuda", 0))
+    assert nvml.calls["nvmlDeviceGetHandleByPciBusId"] == 1
+    assert nvml.calls["nvmlDeviceGetHandleByIndex"] == 0
+
+
 # -- the persistent cuBLAS workspace --------------------------------------------------------
 
 
