@@ -16,6 +16,7 @@ from app.engine.engine import InferenceEngine
 from app.errors import Conflict
 from app.gates.admin_token import require_admin
 from app.http.state import state_of
+from app.memory.history import ROUTE
 from app.schemas import ErrorResponse, MemoryReport
 
 router = APIRouter()
@@ -27,7 +28,6 @@ admin = APIRouter(dependencies=[Depends(require_admin)],
 # Python stacks only: "all" (C++ frames too) is refused on Windows and symbolises on the
 # device thread, stalling every batch. The newest allocations and frees are kept: enough
 # for many batches' pattern, while the snapshot stays small enough for the visualiser.
-HISTORY_MAX_ENTRIES = 50_000
 
 
 def _dump_snapshot(path: Path) -> None:
@@ -79,13 +79,13 @@ async def record_history(request: Request,
     folder = Path(platformdirs.user_data_dir(APP_NAME, appauthor=False)) / "memory-snapshots"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / time.strftime("snapshot-%Y%m%d-%H%M%S.pickle")
-    await engine.on_device(lambda: torch.cuda.memory._record_memory_history(
-        stacks="python", max_entries=HISTORY_MAX_ENTRIES))
+    history = engine.upkeep.history  # the leak tracer's recording, if on, goes on after
+    await engine.on_device(lambda: history.want(ROUTE, True))
     try:
         await asyncio.sleep(seconds)
         await engine.on_device(lambda: _dump_snapshot(path))
     finally:
-        await engine.on_device(lambda: torch.cuda.memory._record_memory_history(enabled=None))
+        await engine.on_device(lambda: history.want(ROUTE, False))
     return {"snapshot_file": str(path), "seconds": seconds}
 
 

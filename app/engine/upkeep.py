@@ -24,6 +24,7 @@ from app.engine.predictor import Sample
 from app.engine.report import MemoryReports
 from app.engine.runtime import Clock, LoadedModels, Runtime, busy
 from app.memory.diagnostics import IDLE_PERIOD_S, IdleFindings
+from app.memory.history import TRACER, AllocatorHistory
 from app.memory.probes import CudaProbe, MemoryReading
 from app.memory.trim import give_back_to_os
 from app.units import human_bytes
@@ -52,7 +53,7 @@ class Upkeep:
         self._peak_since_tick = 0
         self._released = True
         self._batches_at_idle = 0  # batches served when the last idle period was diagnosed
-        self._recording_stacks = False
+        self.history = AllocatorHistory()  # shared with the allocator-history route
         self._leak_snapshot: Path | None = None
 
     def touch(self) -> None:
@@ -143,9 +144,10 @@ class Upkeep:
         so that the snapshot written the first time a leak is suspected shows where the
         kept tensors were made; it is opened at pytorch.org/memory_viz."""
         memory = torch.cuda.memory
-        if self._leak_snapshot is None and found.rising and not self._recording_stacks:
-            memory._record_memory_history(enabled="state", context="state", stacks="python")
-            self._recording_stacks = True
+        recording = self.history.wanted_by(TRACER)
+        if self._leak_snapshot is None and found.rising and not recording:
+            self.history.want(TRACER, True)
+            recording = True
         if found.leak_raised and self._leak_snapshot is None:
             path = self.settings.log_dir / time.strftime("leak-snapshot-%Y%m%d-%H%M%S.pickle")
             try:
@@ -154,9 +156,8 @@ class Upkeep:
                 self._leak_snapshot = path
             except (OSError, RuntimeError) as exc:
                 log.warning("could not write the allocator snapshot %s: %s", path, exc)
-        if self._recording_stacks and (self._leak_snapshot is not None or not found.rising):
-            memory._record_memory_history(enabled=None)
-            self._recording_stacks = False
+        if recording and (self._leak_snapshot is not None or not found.rising):
+            self.history.want(TRACER, False)
 
     def release(self, runtime: Runtime) -> tuple[int, int]:
         """Empty the allocator cache and trust the profile again; bytes held before/after."""

@@ -303,6 +303,24 @@ def test_record_history_keeps_python_stacks_only_and_a_small_cap(serving, monkey
     assert stop["enabled"] is None
 
 
+def test_the_history_route_leaves_the_leak_tracers_recording_on(serving, monkeypatch):
+    """The leak tracer records live blocks' stacks from the first rise of memory left in
+    use; a snapshot asked for meanwhile must not switch that off when it is done (with
+    the shared switch reverted, the route's stop was enabled=None)."""
+    from app.api import memory as memory_api
+    from app.memory.history import TRACER
+
+    engine, cuda, _ = serving
+    monkeypatch.setattr(memory_api, "_engine", lambda request: engine)
+    engine.upkeep.history.want(TRACER, True)
+    asyncio.run(memory_api.record_history(None, seconds=0.01))
+    tracer, route, back = cuda.history
+    assert tracer["enabled"] == "state" and route["max_entries"] <= 50_000
+    assert back == tracer  # the tracer's mode again, not off
+    engine.upkeep.history.want(TRACER, False)
+    assert cuda.history[-1]["enabled"] is None
+
+
 def test_warmup_takes_the_workspace_baseline_into_the_budget(monkeypatch):
     """The engine baselines the probe after warmup, and the budget deducts what stays."""
     from tiny_model import tiny_model
