@@ -89,9 +89,10 @@ class BatchRun:
         """The batch's memory use, shown to every guard; the cache given back when they
         shed. Its answers are kept if the device fails here: they are already computed."""
         guard, probe = runtime.guard, runtime.probe
-        measured, held = probe.after_batch()
+        # Tensor bytes, as admission counts them: the cache's free blocks serve the next
+        # batch, and counted here a warm cache alone would push a small GPU into shedding.
+        measured = probe.batch_peak()
         usage = measured if measured is not None else guard.fit.peak(images)
-        usage = max(usage, held)
         self.after_batch(usage)
         if self.models.observe(usage) is GuardState.SHEDDING:
             probe.empty_cache()

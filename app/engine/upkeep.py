@@ -87,7 +87,7 @@ class Upkeep:
         growth = models.others_now(reading) - models.others_base
         for each in list(models.runtimes.values()):
             each.guard.shrink_for_others(growth)
-        usage, self._peak_since_tick = max(self._peak_since_tick, probe.held()), 0
+        usage, self._peak_since_tick = max(self._peak_since_tick, probe.in_use()), 0
         models.observe(usage)
         for name in list(models.residents):
             self.expire(name)

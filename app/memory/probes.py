@@ -213,10 +213,6 @@ class CudaProbe:
         """Live activation bytes right now (beyond the baseline)."""
         return max(0, self._stats().allocated - self.baseline)
 
-    def held(self) -> int:
-        """What we hold beyond the baseline, cached blocks included: the watermark figure."""
-        return max(0, self._stats().reserved - self.baseline)
-
     @contextlib.contextmanager
     def forward_scope(self) -> Iterator[None]:
         """Start the batch's peak afresh: without it one big batch (or an OOM) would count
@@ -226,13 +222,7 @@ class CudaProbe:
 
     def batch_peak(self) -> int | None:
         """The last forward pass's peak beyond the baseline."""
-        return self.after_batch()[0]
-
-    def after_batch(self) -> tuple[int | None, int]:
-        """``batch_peak()`` and ``held()`` from one reading (what follows every batch)."""
-        stats = self._stats()
-        return (max(0, stats.peak_allocated - self.baseline),
-                max(0, stats.reserved - self.baseline))
+        return max(0, self._stats().peak_allocated - self.baseline)
 
     def _restart_cuda_peak(self) -> None:
         """Reset CUDA's peak counters, folding them into the running maxima first."""
@@ -313,9 +303,6 @@ class CpuProbe:
     def in_use(self) -> int:
         return self.tracker.live if self.tracker else 0
 
-    def held(self) -> int:
-        return self.in_use()
-
     @contextlib.contextmanager
     def forward_scope(self) -> Iterator[None]:
         if self.tracker is None:
@@ -327,9 +314,6 @@ class CpuProbe:
 
     def batch_peak(self) -> int | None:
         return self.tracker.peak if self.tracker else None
-
-    def after_batch(self) -> tuple[int | None, int]:
-        return self.batch_peak(), self.held()
 
     def measure_peak(self, run: Callable[[], object]) -> int:
         tracker = LiveTensorTracker()

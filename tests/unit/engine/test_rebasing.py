@@ -74,3 +74,18 @@ def test_models_loaded_on_demand_between_quiet_spells_are_not_a_leak(monkeypatch
         report = idle_report(engine, cuda, clock)
     assert report.leak_suspected and report.leak_growth_bytes == 3 * 8 * MiB
     assert torch.cuda.memory_allocated() == 4 * WEIGHTS + 3 * 8 * MiB
+
+
+def test_a_warm_cache_is_not_images_in_progress(monkeypatch, tmp_path):
+    """Admission counts tensor bytes; so does the watermark state: the cache a big batch
+    left (free blocks the next batch reuses) does not make a GPU look full. Counted by
+    reserved bytes, as it was, the state went to shedding here."""
+    engine, cuda, clock = engine_on(monkeypatch, tmp_path)
+    load(engine, cuda, "a")
+    runtime = engine.models.primary
+    assert runtime is not None
+    cuda.forward(5 * GiB)  # a batch came and went: 5 GiB stay cached
+    assert cuda.reserved - cuda.allocated >= 5 * GiB > runtime.guard.high_bytes
+    tick(engine, clock)
+    assert runtime.guard.state.value == "ok" and runtime.guard.usage == 0
+    assert runtime.guard.max_batch_now(runtime.probe.in_use()) == runtime.guard.max_batch
