@@ -227,6 +227,10 @@ class Settings(BaseSettings):
     channels_last: bool = Field(False, description="Store images and convolution weights "
                                 "in the channels-last layout (faster for some models on "
                                 "some GPUs and CPUs; results equal to within rounding).")
+    replica_cpus: int | None = Field(None, ge=1, description="Ray Serve only: CPUs each "
+                                     "replica reserves (its decoders). Default: 1 on the "
+                                     "CPU; beside a GPU, what each GPU of the computer "
+                                     "leaves, up to 4.")
     gpu_claims_dir: Path = Field(default_factory=default_gpu_claims_dir, description="Folder, "
                                  "for every user of the computer, where each vramguard on a "
                                  "GPU says so, to share memory_fraction with the others.")

@@ -3,9 +3,12 @@ the application is built, from vramguard's ``device`` and the nodes Ray reports 
 
 - ``device: cpu``: CPU replicas of ``CPU_REPLICA_CPUS`` CPUs (Ray sets
   ``OMP_NUM_THREADS`` to it, so torch's threads follow).
-- ``device: cuda``: one whole GPU per replica (Ray shows it as ``cuda:0``) and
-  ``GPU_REPLICA_CPUS`` CPU for its HTTP work and decoding; refused on a cluster without
-  a GPU.
+- ``device: cuda``: one whole GPU per replica (Ray shows it as ``cuda:0``) and CPUs for
+  its HTTP work and decoding (each CPU a decoder: one would leave the GPU waiting for
+  images): as many as each GPU of the GPU computer with the fewest CPUs per GPU leaves,
+  up to ``GPU_REPLICA_CPUS``; 1 while Ray is not running to say. Refused on a cluster
+  without a GPU.
+- ``replica_cpus`` set: that many CPUs per replica, on the CPU or a GPU.
 - ``device: auto``: a GPU per replica where some node has a GPU, CPU replicas otherwise.
 
 The Serve config's ``deployments`` section may still set ``ray_actor_options``; Serve
@@ -29,7 +32,7 @@ from typing import Any
 from app.config import ConfigError, Settings
 
 CPU_REPLICA_CPUS = 1  # a CPU replica's budget: its torch threads and decoders
-GPU_REPLICA_CPUS = 1  # beside its GPU: HTTP, decoding and the device thread's Python
+GPU_REPLICA_CPUS = 4  # at most, beside its GPU: HTTP, decoders, the device thread's Python
 SERVE_DEFAULT_CPUS = 1  # what Serve gives a replica whose ray_actor_options leave it out
 Node = Mapping[str, float]  # one alive node's total resources ("CPU", "GPU", ...)
 OPTION_RESOURCES = {"num_cpus": "CPU", "num_gpus": "GPU", "memory": "memory"}
@@ -45,8 +48,9 @@ def choose(settings: Settings, nodes: Sequence[Node] | None) -> Placement:
     """Each replica's resources for ``settings.device`` on a cluster of ``nodes`` (None:
     Ray is not running yet, so its GPUs cannot be counted)."""
     gpus = sum(node.get("GPU", 0) for node in nodes or ())
-    on_cpu: dict[str, float] = {"num_cpus": CPU_REPLICA_CPUS}
-    on_gpu: dict[str, float] = {"num_gpus": 1, "num_cpus": GPU_REPLICA_CPUS}
+    on_cpu: dict[str, float] = {"num_cpus": settings.replica_cpus or CPU_REPLICA_CPUS}
+    on_gpu: dict[str, float] = {"num_gpus": 1,
+                                "num_cpus": settings.replica_cpus or gpu_replica_cpus(nodes)}
     if settings.device == "cpu":
         return Placement(on_cpu, "device is cpu: each replica runs on the CPU")
     if settings.device == "cuda" and (nodes is None or gpus > 0):
@@ -66,6 +70,15 @@ def choose(settings: Settings, nodes: Sequence[Node] | None) -> Placement:
                          "or set device to cuda)")
     return Placement(on_cpu, "device is auto and no computer of the cluster has a GPU: "
                      "each replica runs on the CPU")
+
+
+def gpu_replica_cpus(nodes: Sequence[Node] | None) -> int:
+    """CPUs for a GPU replica: what each GPU of the GPU computer with the fewest CPUs per
+    GPU leaves (so that every GPU there can hold a replica), from 1 to GPU_REPLICA_CPUS."""
+    shares = [node.get("CPU", 0) / node["GPU"] for node in nodes or () if node.get("GPU")]
+    if not shares:
+        return 1
+    return int(max(1, min(GPU_REPLICA_CPUS, min(shares))))
 
 
 def demand(options: Mapping[str, Any]) -> dict[str, float]:

@@ -129,11 +129,13 @@ GPU_NODE = {"CPU": 8.0, "GPU": 1.0, "memory": 3e10}
 
 
 @pytest.mark.parametrize(("device", "nodes", "options", "reason"), [
-    ("auto", [CPU_NODE, GPU_NODE], {"num_gpus": 1, "num_cpus": 1},
+    ("auto", [CPU_NODE, GPU_NODE], {"num_gpus": 1, "num_cpus": 4},
      "device is auto and the cluster has 1 GPU: each replica takes one GPU"),
     ("auto", [CPU_NODE], {"num_cpus": 1}, "no computer of the cluster has a GPU"),
     ("auto", None, {"num_cpus": 1}, "Ray is not running yet"),
-    ("cuda", [GPU_NODE], {"num_gpus": 1, "num_cpus": 1}, "device is cuda"),
+    ("cuda", [GPU_NODE], {"num_gpus": 1, "num_cpus": 4}, "device is cuda"),
+    ("cuda", [{"CPU": 6.0, "GPU": 4.0}, GPU_NODE], {"num_gpus": 1, "num_cpus": 1},
+     "device is cuda"),  # 1.5 CPUs per GPU on the first: every GPU there holds a replica
     ("cuda", None, {"num_gpus": 1, "num_cpus": 1}, "device is cuda"),
     ("cpu", [GPU_NODE], {"num_cpus": 1}, "device is cpu"),
 ])
@@ -142,6 +144,15 @@ def test_replicas_follow_the_device_and_the_gpus_ray_reports(device, nodes, opti
 
     placement = choose(Settings(device=device), nodes)
     assert placement.options == options and reason in placement.reason
+
+
+def test_replica_cpus_is_what_each_replica_reserves():
+    from app.cluster.placement import choose
+
+    assert choose(Settings(device="cuda", replica_cpus=2), [GPU_NODE]).options == {
+        "num_gpus": 1, "num_cpus": 2}
+    assert choose(Settings(device="cpu", replica_cpus=2), [CPU_NODE]).options == {
+        "num_cpus": 2}
 
 
 def test_cuda_on_a_cluster_without_a_gpu_is_refused_with_what_to_do():
