@@ -52,9 +52,11 @@ class Claim:
 
 
 def process_started(pid: int) -> float | None:
+    if pid <= 0:
+        return None
     try:
         return float(psutil.Process(pid).create_time())
-    except (psutil.Error, OSError):
+    except (psutil.Error, OSError, ValueError, OverflowError):  # a number no process has
         return None
 
 
@@ -67,7 +69,10 @@ def is_alive(claim: Claim) -> bool:
 def read_claim(path: Path) -> Claim | None:
     """The claim in ``path``, or None for anything else (a link, a large or broken file)."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        # O_NONBLOCK: a pipe named like a claim would block the open (and the memory
+        # monitor with it) until someone wrote to it; regular files ignore the flag.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
+                     | getattr(os, "O_NONBLOCK", 0))
     except OSError:
         return None
     try:
@@ -81,10 +86,12 @@ def read_claim(path: Path) -> Claim | None:
         os.close(fd)
     try:
         data = json.loads(text)
+        if not 0 < int(data["pid"]) < 2**31:
+            return None
         claim = Claim(pid=int(data["pid"]), started=float(data["started"]),
                       port=int(data["port"]), gpu=str(data["gpu"])[:200],
                       token=str(data["token"])[:32])
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, OverflowError):
         return None
     return claim
 

@@ -90,6 +90,12 @@ def test_links_large_broken_and_misnamed_files_are_not_read(tmp_path, other_proc
     (folder / f"{other_process.pid}-{'23' * 8}.json").write_text('{"pid": "x"}')
     (folder / "notes.json").write_text(outside.read_text())
     (folder / f"{other_process.pid}-{'45' * 8}.json").mkdir()
+    os.mkfifo(folder / f"{other_process.pid}-{'67' * 8}.json")  # would block an open
+    for pid in (-5, 0, 2**70):  # numbers no process has: psutil raises ValueError for some
+        write_claim(folder, other_process.pid).rename(folder / f"{abs(pid)}-{'89' * 8}.json")
+        path = folder / f"{abs(pid)}-{'89' * 8}.json"
+        path.write_text(json.dumps(json.loads(path.read_text()) | {"pid": pid}))
+        assert GpuClaims(folder, GPU, 8765).others() == []
     assert GpuClaims(folder, GPU, 8765).others() == []
 
 
