@@ -25,6 +25,7 @@ def run_doctor(settings: Settings, config_file: Path) -> int:
     from app.memory.diagnostics import IDLE_PERIOD_S, cache_verdict, leak_check_verdict
     from app.memory.gpu_programs import other_programs
     from app.memory.probes import CpuProbe, CudaProbe
+    from app.memory.sharing import gpu_sharing_seen
     from app.models import ModelLoadError
     from app.schemas import programs_line
     from app.units import human_bytes
@@ -33,7 +34,7 @@ def run_doctor(settings: Settings, config_file: Path) -> int:
     engine: InferenceEngine | None = None
     try:
         started = time.perf_counter()
-        engine = InferenceEngine(settings)
+        engine = InferenceEngine(settings, sharing=gpu_sharing_seen)
         runtime = engine.warm_up(engine.load())
         elapsed = time.perf_counter() - started
         line("model", f"{runtime.model.name} loaded and warmed up in {elapsed:.2f} s "

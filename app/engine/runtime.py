@@ -211,6 +211,7 @@ class LoadedModels:
             cap = int(self.settings.cpu_memory_cap) if self.settings.cpu_memory_cap else None
             self.probe = self._make_probe(self.device, 0, cap)
             self.sharing = self._make_sharing(self.settings, self.probe)
+            self.sharing.total = self.probe.read().total
             self.sharing.start()
         return self.probe
 
@@ -269,7 +270,9 @@ class LoadedModels:
             return
         self.set_weights(self.weights_total())
         probe.set_baseline()
+        self.sharing.refresh()  # who else is on the GPU now, not at the last tick
         self.rebase(probe.read())
+        self.set_backstop()
 
     def room(self) -> int:
         """What the models may take together now (``Budget.room``); unlimited before the

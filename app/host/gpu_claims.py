@@ -91,7 +91,7 @@ def read_claim(path: Path) -> Claim | None:
         claim = Claim(pid=int(data["pid"]), started=float(data["started"]),
                       port=int(data["port"]), gpu=str(data["gpu"])[:200],
                       token=str(data["token"])[:32])
-    except (ValueError, KeyError, TypeError, OverflowError):
+    except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
         return None
     return claim
 
@@ -137,18 +137,21 @@ class GpuClaims:
                 names = [e.name for e in itertools.islice(listing, MAX_ENTRIES)]
         except OSError:
             return []
-        found = []
+        found: dict[int, Claim] = {}
         wanted = [n for n in names if CLAIM_NAME.match(n) and n != self.path.name]
         for name in wanted[:MAX_CLAIMS]:
             claim = read_claim(self.folder / name)
-            if claim is None or claim.gpu != self.own.gpu:
+            # One server per process, counted once: engines in this process share its
+            # one allocator limit, and a name must agree with what the file says.
+            if (claim is None or claim.gpu != self.own.gpu or claim.pid == self.own.pid
+                    or claim.pid in found or not name.startswith(f"{claim.pid}-")):
                 continue
             if self._alive(claim):
-                found.append(claim)
+                found[claim.pid] = claim
             else:
                 with contextlib.suppress(OSError):  # another user's stays: the sticky bit
                     os.unlink(self.folder / name)
-        return sorted(found, key=lambda c: (c.started, c.token))
+        return sorted(found.values(), key=lambda c: (c.started, c.token))
 
     def release(self) -> None:
         with contextlib.suppress(OSError):

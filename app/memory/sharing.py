@@ -33,6 +33,8 @@ class GpuSharing:
                  fraction: float = 1.0) -> None:
         self.claims = claims
         self.fraction = fraction  # the memory_fraction setting, before it is shared
+        self.total = 0  # the device's bytes, set once read (the cap on what others get)
+        self.write = True  # False: see the others, claim nothing (doctor)
         self._processes = processes
         self.others: list[Claim] = []
         self.others_bytes = 0  # what the others use, as far as the driver reports it
@@ -48,7 +50,7 @@ class GpuSharing:
 
     def start(self) -> None:
         """Claim the GPU and see who else has."""
-        if self.claims is not None:
+        if self.claims is not None and self.write:
             self.claims.claim()
         self.refresh()
         if self.others:
@@ -60,9 +62,18 @@ class GpuSharing:
         if self.claims is None:
             return False
         before = self.servers
-        self.others = self.claims.others()
-        self._used = self._processes() if self.others else {}
-        self.others_bytes = sum(self._used.get(c.pid) or 0 for c in self.others)
+        try:
+            claimed = self.claims.others()
+        except Exception as exc:  # the folder is other users' input: never stop the tick
+            self.claims.problem = f"could not read {self.claims.folder}: {exc}"
+            return False
+        self._used = self._processes() if claimed else {}
+        # Where NVML lists the GPU's processes, a claim counts only for one of them.
+        self.others = [c for c in claimed if not self._used or c.pid in self._used]
+        # Each other server is credited at most its share: a claim made up for another
+        # program (a game) cannot make this one plan for more than the fraction allows.
+        most = int(self.total * self.share) if self.total else 0
+        self.others_bytes = sum(min(self._used.get(c.pid) or 0, most) for c in self.others)
         return self.servers != before
 
     @property
@@ -97,3 +108,11 @@ def gpu_sharing(settings: Settings, probe: Probe) -> GpuSharing:
     nvml = probe.nvml
     return GpuSharing(GpuClaims(settings.gpu_claims_dir, probe.gpu_id, settings.port),
                       nvml.processes if nvml is not None else dict, settings.memory_fraction)
+
+
+def gpu_sharing_seen(settings: Settings, probe: Probe) -> GpuSharing:
+    """As ``gpu_sharing``, but claiming nothing: doctor's, whose short check must not
+    make a running server plan for less."""
+    sharing = gpu_sharing(settings, probe)
+    sharing.write = False
+    return sharing

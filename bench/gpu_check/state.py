@@ -297,8 +297,11 @@ class Check:
         from app.config import load_settings
 
         self._engines += 1
+        # fp32 NCHW whatever the environment says: the precision step's reference. The
+        # check's engines claim the GPU in a folder of their own (one process, one plan).
         values = {"device": self.device, "model": self.args.model, "cache": False,
-                  "idle_release_s": 0,
+                  "idle_release_s": 0, "precision": "fp32", "channels_last": False,
+                  "gpu_claims_dir": self.workdir / "gpu-claims",
                   "profile_dir": self.workdir / f"profiles-{self._engines}", **overrides}
         return load_settings(self.config_file, **values)
 

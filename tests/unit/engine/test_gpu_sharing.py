@@ -151,3 +151,28 @@ def test_on_the_cpu_no_claim_is_written(tmp_path):
     assert engine.models.sharing.claims is None
     assert not (tmp_path / "claims").exists()
 
+
+
+def test_a_server_is_credited_at_most_its_share(two):
+    """A claim made up for a game's process (its number and start time are public) must
+    not make A plan for more: the claimed server's use counts as a share at most, the
+    rest as another program's."""
+    cuda, nvml, clock, a, b = two
+    load(a, cuda, "lite0")
+    start_b(b, cuda, nvml)
+    tick(a, clock)
+    shared = budget(a)
+    nvml.other_processes = {OTHER_PID: 4 * GiB}  # "B" is a game that takes 4 GiB
+    tick(a, clock)
+    share = int(0.35 * TOTAL)
+    assert a.models.sharing.others_bytes == share
+    assert budget(a) == shared - (4 * GiB - share)  # the rest is another program's
+
+
+def test_a_claim_for_a_process_nvml_does_not_list_on_the_gpu_does_not_count(two):
+    cuda, nvml, clock, a, b = two
+    load(a, cuda, "lite0")
+    start_b(b, cuda, nvml)
+    nvml.other_processes = {}  # NVML lists processes, and B's is not among them
+    tick(a, clock)
+    assert a.models.sharing.servers == 1

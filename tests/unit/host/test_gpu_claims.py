@@ -55,13 +55,33 @@ def test_a_live_server_is_seen_and_a_stopped_ones_claim_is_removed(tmp_path, oth
     assert not mine.path.exists()
 
 
-def test_two_servers_see_each_other_and_not_themselves(tmp_path):
+def test_two_servers_see_each_other_and_not_themselves(tmp_path, other_process):
     folder = tmp_path / "gpus"
-    first, second = GpuClaims(folder, GPU, 8765), GpuClaims(folder, GPU, 8766)
+    first = GpuClaims(folder, GPU, 8765)
+    second = GpuClaims(folder, GPU, 8766, pid=other_process.pid)
     first.claim()
     second.claim()
     assert [c.port for c in first.others()] == [8766]
     assert [c.port for c in second.others()] == [8765]
+
+
+def test_a_process_counts_once_and_this_process_not_at_all(tmp_path, other_process):
+    """Engines in one process share its one allocator limit (the GPU check makes
+    several); several claims for one process, or a file named for another, are one."""
+    folder = tmp_path / "gpus"
+    GpuClaims(folder, GPU, 8766).claim()  # another engine of this process
+    text = write_claim(folder, other_process.pid).read_text()
+    (folder / f"{other_process.pid}-{'cd' * 8}.json").write_text(text)  # a second claim
+    (folder / f"1-{'ef' * 8}.json").write_text(text)  # named for another process
+    assert len(list(folder.glob("*.json"))) == 4
+    assert [c.pid for c in GpuClaims(folder, GPU, 8765).others()] == [other_process.pid]
+
+
+def test_a_file_that_breaks_the_json_reader_is_ignored(tmp_path):
+    folder = tmp_path / "gpus"
+    folder.mkdir()
+    (folder / f"77-{'ab' * 8}.json").write_text("[" * 1000)  # RecursionError in json
+    assert GpuClaims(folder, GPU, 8765).others() == []
 
 
 def test_a_process_number_given_to_another_program_does_not_count(tmp_path, other_process):
