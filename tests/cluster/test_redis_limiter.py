@@ -440,7 +440,10 @@ def test_a_closed_connection_under_uvloop_falls_back_instead_of_failing(
         assert (await limiter.acquire("classify", "a")).allowed
         assert limiter.fallback
         [warning] = [r for r in caplog.records if r.levelno == logging.WARNING]
-        assert "the handler is closed" in warning.getMessage()
+        # uvloop's wording, or redis-py's when it sees the closed transport first: which
+        # comes first is the event loop's timing, the fallback is the promise.
+        assert any(text in warning.getMessage() for text in (
+            "the handler is closed", "Connection closed by the server"))
         await limiter.aclose()
 
     uvloop.run(scenario())
