@@ -110,8 +110,7 @@ class Upkeep:
         """Another vramguard came to this GPU or left it: this one's share, budget and
         allocator limit follow, and the log says so."""
         models = self.models
-        models.rebudget()
-        models.set_backstop()
+        models.rebudget()  # the budget and the allocator's limit, at the new share
         log.warning("%s", models.sharing.describe())
 
     def _idle_period(self, runtime: Runtime, idle: float) -> None:

@@ -58,8 +58,7 @@ def load(engine: InferenceEngine, cuda: CudaStandIn, name: str,
     recovery = OomRecovery(StandInForward(cuda, PER_IMAGE), guard, probe)
     engine.install(Runtime(None, None, probe, guard, recovery,  # type: ignore[arg-type]
                            MemoryCost(WEIGHTS, 0, 0, fit, [(1, PER_IMAGE)]), None), name=name)
-    engine.models.rebudget()
-    engine.models.set_backstop()
+    engine.models.rebudget()  # the budget and the allocator's limit, as the loader's
     engine.phase = Phase.READY
 
 
