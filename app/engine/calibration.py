@@ -50,7 +50,7 @@ from app.memory.probes import Probe
 from app.memory.trim import give_back_to_os
 from app.models import LoadedModel
 from app.models.own.trial import folder_bytes
-from app.models.precision import requested
+from app.models.precision import resolve
 from app.models.registry import fingerprint
 
 log = logging.getLogger("vramguard.engine")
@@ -62,9 +62,11 @@ class Calibration:
     """Measures models (or reuses their profiles) into runtimes, and predicts footprints."""
 
     def __init__(self, settings: Settings, models: LoadedModels, profiles: ProfileStore,
-                 clock: Clock, locate: Callable[[str, Path | None], Path]) -> None:
+                 clock: Clock, locate: Callable[[str, Path | None], Path],
+                 format_of: Callable[[str], str]) -> None:
         self.settings = settings
         self._locate = locate  # a model's weights file, or an own model's folder
+        self._format_of = format_of  # a model's format (its family for a built-in)
         self.models = models
         self.profiles = profiles
         self._clock = clock
@@ -73,8 +75,10 @@ class Calibration:
     def profile_key(self, name: str, weights_version: str) -> ProfileKey:
         device, driver = device_identity(self.models.device)
         settings = self.settings
+        runs_in = resolve(settings.precision, settings.channels_last, self.models.device,
+                          self._format_of(name))
         return ProfileKey(name, weights_version, device, driver, torch.__version__,
-                          requested(settings.precision, settings.channels_last))
+                          runs_in.label)
 
     def weights_path(self, name: str) -> Path:
         return self._locate(name, self.settings.weights if name == self.settings.model

@@ -75,6 +75,7 @@ __all__ = ["InferenceEngine", "MemoryCost", "ModelOutcomes", "Phase", "Runtime",
            "weights_bytes"]
 log = logging.getLogger("vramguard.engine")
 GPU_DEFAULT_WAIT_S = 0.002
+HOST = torch.device("cpu")  # where a model is built, before it moves to the device
 ModelLoader = Callable[[str, torch.device, Path | None], LoadedModel]  # name, device, file
 T = TypeVar("T")
 
@@ -106,7 +107,7 @@ class InferenceEngine:
         self.models = LoadedModels(settings, self.device, probe_factory, sharing)
         self.profiles = ProfileStore(settings.profile_dir)
         self.calibration = Calibration(settings, self.models, self.profiles, clock,
-                                       self.sources.weights_path)
+                                       self.sources.weights_path, self.sources.format_of)
         allocations = LargeAllocationWatch(int(settings.large_allocation_bytes))
         self.reports = MemoryReports(self.models, allocations, self.cpu_instead_of_gpu)
         # Each step looked up at each call: a test or the GPU check may wrap it.
@@ -317,18 +318,21 @@ class InferenceEngine:
     # -- the steps, on the device thread (wrapped by tests and the GPU check) --------------
 
     def load(self, name: str | None = None) -> LoadedModel:
-        """Load a model on the calling thread (the server calls it on the device thread)."""
+        """Load a model on the calling thread (the server calls it on the device thread).
+        It is built on the CPU and converted to its precision there, then moved: the
+        device never holds an fp32 copy of weights it keeps in bf16 or fp16."""
         name = name or self.settings.model
         weights = self.settings.weights if name == self.settings.model else None
-        model = self._model_loader(name, self.device, weights)
+        model = self._model_loader(name, HOST, weights)
         settings = self.settings
-        numerics = choose(settings.precision, settings.channels_last, model.device,
+        numerics = choose(settings.precision, settings.channels_last, self.device,
                           model.family, name)
         if numerics != model.numerics:
             numerics.module(model.module)
-            model = dataclasses.replace(model, numerics=numerics)
             log.info("%s runs in %s", name, numerics.label)
-        return model
+        if self.device != model.device:
+            model.module.to(self.device)
+        return dataclasses.replace(model, numerics=numerics, device=self.device)
 
     def warm_up(self, model: LoadedModel, *, pinned: bool = True,
                 started: float | None = None, first_only: bool = False) -> Runtime:

@@ -47,7 +47,7 @@ class ProfileKey:
     device: str
     driver: str
     torch: str
-    numerics: str = "auto"  # the precision and channels_last settings (app.models.precision)
+    numerics: str = "fp32"  # what the model runs in: Numerics.label (app.models.precision)
 
     def file_name(self) -> str:
         text = json.dumps(asdict(self), sort_keys=True)

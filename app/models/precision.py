@@ -67,12 +67,6 @@ class Numerics:
 FP32 = Numerics()
 
 
-def requested(precision: Precision, channels_last: bool) -> str:
-    """The settings as asked for, for the profile's key: a measurement made under other
-    settings is not reused."""
-    return precision + (" channels_last" if channels_last else "")
-
-
 def cpu_has_bf16() -> bool:
     """Whether this CPU computes bf16 natively (AVX-512 BF16, AMX, Arm's BF16)."""
     try:
@@ -81,21 +75,34 @@ def cpu_has_bf16() -> bool:
         return False
 
 
+def resolve(precision: Precision, channels_last: bool, device: torch.device,
+            family: str) -> Numerics:
+    """What a model of format ``family`` runs in on ``device`` under these settings: also
+    the profile's key, known before the model loads, so a measurement is reused exactly
+    where the model would run the same way (``auto`` and ``fp32`` alike; ``bf16`` on a CPU
+    without it is fp32)."""
+    if family in AS_SAVED:
+        return FP32
+    chosen = "fp32" if precision == "auto" else precision
+    if device.type == "cpu" and chosen == "bf16" and not cpu_has_bf16():
+        chosen = "fp32"
+    return Numerics(chosen, channels_last)
+
+
 def choose(precision: Precision, channels_last: bool, device: torch.device, family: str,
            name: str) -> Numerics:
-    """What model ``name`` of format ``family`` runs in on ``device``, and in the log
-    why, where that is not what the settings ask for."""
-    chosen = "fp32" if precision == "auto" else precision
+    """``resolve``, and in the log why, where that is not what the settings ask for."""
+    chosen = resolve(precision, channels_last, device, family)
+    asked = "fp32" if precision == "auto" else precision
     if family in AS_SAVED:
-        if chosen != "fp32" or channels_last:
+        if asked != "fp32" or channels_last:
+            wanted = precision + (" channels_last" if channels_last else "")
             log.warning("%s is a %s program and runs as it was saved (fp32), not in %s",
-                        name, family, requested(precision, channels_last))
-        return FP32
-    if device.type == "cpu" and chosen == "bf16" and not cpu_has_bf16():
+                        name, family, wanted)
+    elif asked == "bf16" and chosen.precision == "fp32":
         log.warning("%s runs in fp32: this CPU has no bf16 instructions, and emulating "
                     "them would be many times slower", name)
-        chosen = "fp32"
-    if device.type == "cpu" and chosen == "fp16":
+    elif device.type == "cpu" and chosen.precision == "fp16":
         log.warning("%s runs in fp16 on the CPU, which is several times slower than "
                     "fp32 there: fp16 is meant for a GPU", name)
-    return Numerics(chosen, channels_last)
+    return chosen

@@ -60,6 +60,12 @@ class ModelSources:
             return own_entry(own)
         return next((e for e in builtin_catalogue() if e.name == name), None)
 
+    def format_of(self, name: str) -> str:
+        """``name``'s format (timm, onnx, torchscript, ...), a built-in's family; "" for a
+        name the catalogue does not list."""
+        entry = self.entry(name)
+        return "" if entry is None else entry.format or entry.family
+
     def knows(self, name: str) -> bool:
         """Whether ``name`` is exactly a model the catalogue lists."""
         return self._own(name) is not None or any(

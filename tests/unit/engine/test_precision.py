@@ -10,6 +10,7 @@ for fp16."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -24,7 +25,8 @@ from app.engine.predictor import Predictor, Sample, numerics
 from app.imaging.decoding import open_image
 from app.imaging.pixels import model_input
 from app.models import LoadedModel
-from app.models.precision import FP32, Numerics, choose, cpu_has_bf16, requested
+from app.models.precision import FP32, Numerics, choose, cpu_has_bf16
+from app.models.registry import load_model
 
 PHOTOS = ("coffee.jpg", "chelsea.jpg")
 SCORE_TOLERANCE = 0.02
@@ -94,21 +96,56 @@ def test_a_saved_program_runs_as_it_was_saved_and_the_log_says_so(caplog):
     assert choose("bf16", True, torch.device("cuda"), "onnx", "mine") == Numerics("bf16", True)
 
 
-def test_the_result_cache_and_the_profile_key_tell_the_settings_apart(tmp_path):
+def test_the_result_cache_and_the_profile_key_tell_the_numerics_apart(tmp_path):
+    """Both are keyed by what the model runs in, not by the words of the settings: auto
+    and fp32 share a measurement, and bf16 on a CPU without it is the fp32 one."""
     cpu = torch.device("cpu")
     keys = {numerics(cpu, n) for n in (FP32, Numerics("fp32", True), Numerics("bf16"),
                                        Numerics("fp16"))}
     assert len(keys) == 4 and numerics(cpu) == "cpu"
-    names = {engine_with(tmp_path, precision=p, channels_last=c).calibration
-             .profile_key("efficientnet_lite0", "v1").file_name()
-             for p, c in (("auto", False), ("fp32", False), ("bf16", False), ("bf16", True))}
-    assert len(names) == 4
-    assert requested("bf16", True) == "bf16 channels_last"
+
+    def key(precision: str, channels_last: bool = False) -> str:
+        return engine_with(tmp_path, precision=precision, channels_last=channels_last
+                           ).calibration.profile_key("efficientnet_lite0", "v1").file_name()
+
+    assert key("auto") == key("fp32") != key("fp32", True) != key("fp16")
+    assert (key("bf16") != key("fp32")) == cpu_has_bf16()
+
+
+def test_bf16_weights_agree_with_fp32_even_where_the_cpu_emulates_them(tmp_path,
+                                                                       fp32_scores):
+    """The conversion itself, whatever this CPU has (the setting falls back to fp32 on a
+    CPU without bf16, so the test above would compare fp32 with fp32 there)."""
+    model = engine_with(tmp_path).load()
+    Numerics("bf16", True).module(model.module)
+    model = dataclasses.replace(model, numerics=Numerics("bf16", True))
+    difference = float(np.abs(scores(model) - fp32_scores).max())
+    assert 0 < difference < SCORE_TOLERANCE, difference
+
+
+def test_the_device_receives_the_converted_weights(tmp_path):
+    """The model is built on the CPU and converted there before it moves: the device
+    never holds an fp32 copy of weights it keeps in half precision."""
+    asked: list[torch.device] = []
+
+    def recorded(name: str, device: torch.device, weights: Path | None) -> LoadedModel:
+        asked.append(device)
+        return load_model(name, device, weights)
+
+    engine = InferenceEngine(load_settings(device="cpu", log_dir=tmp_path / "logs",
+                                           profile_dir=tmp_path / "profiles",
+                                           precision="fp16", channels_last=True),
+                             model_loader=recorded)
+    model = engine.load()
+    assert asked == [torch.device("cpu")]
+    weight = next(p for p in model.module.parameters() if p.dim() == 4)
+    assert weight.dtype == torch.float16 and weight.device == engine.device
+    assert weight.is_contiguous(memory_format=torch.channels_last)
 
 
 def test_warmup_measures_the_model_as_it_runs(tmp_path):
     """Warmup runs its batches through the converted model (an fp32 batch into bf16
-    weights would fail) and stores the profile under the settings it ran with."""
+    weights would fail) and stores the profile under what it ran in."""
     engine = engine_with(tmp_path, precision="bf16", channels_last=True, max_batch_size=2)
     runtime = engine.warm_up(engine.load())
     assert runtime.memory.weights_bytes == sum(
@@ -117,5 +154,5 @@ def test_warmup_measures_the_model_as_it_runs(tmp_path):
     stored = [p.read_text() for p in (tmp_path / "profiles").glob("*.json")]
     label = "bf16 channels_last" if cpu_has_bf16() else "fp32 channels_last"
     assert runtime.model.numerics.label == label
-    assert len(stored) == 1 and '"numerics": "bf16 channels_last"' in stored[0]
+    assert len(stored) == 1 and f'"numerics": "{label}"' in stored[0]
     engine.stop()
