@@ -44,6 +44,9 @@ class Footprint:
     batch_peak: int
 
 
+NOTHING = Footprint(0, 0)  # what is loaded must fit by itself (a share that shrank)
+
+
 def needed(footprints: Iterable[Footprint]) -> int:
     """Bytes the models need together: every weight, and the largest batch of any one."""
     prints = list(footprints)

@@ -1,11 +1,15 @@
 """Upkeep, once a second on the device thread (``tick``): follow other programs' memory,
 update the watermark state, unload models whose keep-alive has run out or whose folder was
 removed or replaced, and once per quiet spell after work diagnose what is still in use,
-give memory back and trace a leak.
+give memory back and trace a leak; when another vramguard comes to the GPU, fit into the
+smaller share.
 
 The rules: a quiet spell is ``idle_release_s`` (else ``IDLE_PERIOD_S``) without a request,
 after at least one batch since the last one and with nothing queued; the cache is given
-back then when idle release is on, and whatever the setting when it is fragmented.
+back then when idle release is on, and whatever the setting when it is fragmented. When
+this server's share shrinks, its cache is given back at once (the allocator's new limit
+does not free what it already holds) and models are unloaded, by residency's one eviction
+rule, until those left fit the new room: their weights and the largest batch of any.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from app.engine.batcher import MicroBatcher
 from app.engine.oom import Outcome
 from app.engine.predictor import Sample
 from app.engine.report import MemoryReports
+from app.engine.residency import NOTHING, evictable, needed, plan_evictions
 from app.engine.runtime import Clock, LoadedModels, Runtime, busy
 from app.memory.diagnostics import IDLE_PERIOD_S, IdleFindings
 from app.memory.history import TRACER, AllocatorHistory
@@ -81,8 +86,9 @@ class Upkeep:
         if runtime is None:
             return None
         probe = runtime.probe
+        share = models.sharing.share
         if models.sharing.refresh():
-            self._reshare()
+            self._reshare(runtime, shrank=models.sharing.share < share)
         reading = probe.read()
         growth = models.others_now(reading) - models.others_base
         for each in list(models.runtimes.values()):
@@ -106,12 +112,37 @@ class Upkeep:
         self.reports.last = self.reports.report(runtime)
         return reading
 
-    def _reshare(self) -> None:
+    def _reshare(self, runtime: Runtime, shrank: bool) -> None:
         """Another vramguard came to this GPU or left it: this one's share, budget and
-        allocator limit follow, and the log says so."""
+        allocator limit follow, and the log says so; a smaller share is made to fit."""
         models = self.models
         models.rebudget()  # the budget and the allocator's limit, at the new share
         log.warning("%s", models.sharing.describe())
+        if shrank:
+            self.release(runtime)
+            self._fit_room()
+
+    def _fit_room(self) -> None:
+        """Unload models, least recently used first, until the rest fit the room; those
+        that may not be unloaded stay, and their batches are sized to what is left."""
+        models = self.models
+        residents = list(models.residents.values())
+        room = models.room()
+
+        def queued(name: str) -> bool:
+            return busy(self.batcher, name)
+
+        now, keep = self._clock(), self.settings.min_residency_s
+        victims = plan_evictions(residents, NOTHING, room, now, queued, keep)
+        if victims is None:
+            victims = [r.name for r in evictable(residents, now, queued, keep)]
+        for name in victims:
+            self._unload(name, "evicted", False)
+        left = [r.footprint for r in models.residents.values()]
+        if needed(left) > room:
+            log.warning("the models still loaded need %s (their weights and one full "
+                        "batch) and this server's share leaves %s: batches will be smaller",
+                        human_bytes(needed(left)), human_bytes(room))
 
     def _idle_period(self, runtime: Runtime, idle: float) -> None:
         """Diagnose what tensors still hold with nothing running, then give the cache back:

@@ -43,9 +43,9 @@ def engine_for(folder: Path, clock: Clock, **kwargs: Any) -> InferenceEngine:
 
 
 def load(engine: InferenceEngine, cuda: CudaStandIn, name: str,
-         placed: dict[str, int] | None = None) -> None:
-    """A model of WEIGHTS bytes, PER_IMAGE per image, loaded and installed on the stand-in;
-    its weights' handle kept in ``placed`` under ``name``."""
+         placed: dict[str, int] | None = None, pinned: bool = True) -> None:
+    """A model of WEIGHTS bytes, PER_IMAGE per image, loaded and installed on the stand-in
+    (kept loaded, unless not ``pinned``); its weights' handle kept in ``placed``."""
     handle = cuda.alloc(WEIGHTS)
     if placed is not None:
         placed[name] = handle
@@ -57,7 +57,8 @@ def load(engine: InferenceEngine, cuda: CudaStandIn, name: str,
                                                  + WEIGHTS), fit, max_batch=8)
     recovery = OomRecovery(StandInForward(cuda, PER_IMAGE), guard, probe)
     engine.install(Runtime(None, None, probe, guard, recovery,  # type: ignore[arg-type]
-                           MemoryCost(WEIGHTS, 0, 0, fit, [(1, PER_IMAGE)]), None), name=name)
+                           MemoryCost(WEIGHTS, 0, 0, fit, [(1, PER_IMAGE)]), None),
+                   pinned=pinned, name=name)
     engine.models.rebudget()  # the budget and the allocator's limit, as the loader's
     engine.phase = Phase.READY
 

@@ -15,6 +15,7 @@ from standin_engine import WEIGHTS, Clock, budget, engine_for, load, tick
 
 from app.config import Settings
 from app.engine.engine import InferenceEngine
+from app.engine.residency import needed
 from app.host.gpu_claims import Claim, GpuClaims
 from app.memory.probes import CudaProbe, Probe
 from app.memory.sharing import GpuSharing
@@ -99,6 +100,36 @@ def test_two_servers_share_the_fraction_and_one_gets_it_back_when_the_other_stop
     assert cuda.limit == int(0.7 * TOTAL)
     assert "this one plans for 70% of its memory again" in caplog.text
     assert a.reports.report(a.models.primary).sharing_with == []
+
+
+def test_a_share_that_shrinks_gives_the_cache_back_and_unloads_what_no_longer_fits(
+        two, caplog):
+    """A alone holds 26 models of 100 MiB and a 2 GiB cache; B's arrival halves A's
+    share: A's cache goes back to the GPU at once (the allocator's new limit would not free
+    it), and the least recently used models are unloaded until the rest fit."""
+    cuda, nvml, clock, a, b = two
+    caplog.set_level(logging.INFO, "vramguard")
+    names = [f"model{i:02}" for i in range(26)]
+    placed: dict[str, int] = {}
+    for name in names:
+        load(a, cuda, name, placed, pinned=False)
+    cuda.free(cuda.alloc(2 * GiB))  # a large batch came and went: it stays cached
+    assert cuda.reserved > cuda.allocated + 2 * GiB - MiB
+    tick(a, clock, after_s=a.settings.min_residency_s + 1)
+    a.models.residents[names[0]].last_used = clock.now  # used just now: stays
+    assert set(a.models.runtimes) == set(names)
+    start_b(b, cuda, nvml)
+    tick(a, clock)
+    assert cuda.reserved < cuda.allocated + 100 * MiB
+    kept = set(a.models.runtimes)
+    assert names[0] in kept and 0 < len(kept) < len(names)
+    assert kept == {names[0], *names[len(names) - len(kept) + 1:]}  # the most recent
+    for gone in set(names) - kept:  # what a real unload gives back with the model
+        cuda.free(placed[gone])
+    a.models.rebudget()
+    footprints = [r.footprint for r in a.models.residents.values()]
+    assert needed(footprints) <= room(a)
+    assert "batches will be smaller" not in caplog.text
 
 
 def test_what_the_other_server_uses_is_not_subtracted_from_a_share_that_leaves_room_for_it(
