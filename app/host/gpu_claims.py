@@ -10,9 +10,12 @@ server's claim is ignored, and removed where this user may.
 
 The folder is input from other users: only regular files named like a claim are read (no
 links), at most ``MAX_CLAIM_BYTES`` each and ``MAX_CLAIMS`` in all, among at most
-``MAX_ENTRIES`` names, and anything that does not parse is ignored. A made-up claim can
-only make this server plan for less, which a program that simply takes GPU memory does
-as well.
+``MAX_ENTRIES`` names (the log says once when the rest is left unread), and anything that
+does not parse is ignored. A made-up claim can only make this server plan for less, which
+a program that simply takes GPU memory does as well. The folder itself must be a real
+folder, and one other users may write to must have the sticky bit (as /tmp has), or any
+of them could remove this server's claim: otherwise this server writes none, plans as if
+alone, and says why. (On Windows the folder's permissions are its ACLs, not its mode.)
 """
 
 from __future__ import annotations
@@ -96,6 +99,16 @@ def read_claim(path: Path) -> Claim | None:
     return claim
 
 
+def folder_problem(info: os.stat_result) -> str | None:
+    """Why a claims folder with this status cannot be trusted with this server's claim."""
+    if not stat.S_ISDIR(info.st_mode):
+        return "is not a folder"
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not info.st_mode & stat.S_ISVTX:
+        return ("may be written by other users but lacks the sticky bit, so any of them "
+                "could remove this server's claim (chmod 1777 fixes it)")
+    return None
+
+
 class GpuClaims:
     """This server's claim on one GPU, and the live claims of the others on it."""
 
@@ -108,6 +121,7 @@ class GpuClaims:
         self._alive = alive
         self.path = folder / f"{own_pid}-{self.own.token}.json"
         self.problem: str | None = None  # why the claims could not be written or read
+        self._told_unread = False
 
     def claim(self) -> None:
         """Write this server's claim (atomically); a folder that cannot be used is logged
@@ -129,6 +143,10 @@ class GpuClaims:
             self.folder.mkdir(parents=True, exist_ok=True)
             with contextlib.suppress(OSError):  # every user's servers write here
                 os.chmod(self.folder, 0o1777)
+        if os.name != "nt":
+            unsafe = folder_problem(os.lstat(self.folder))
+            if unsafe is not None:
+                raise OSError(f"{self.folder} {unsafe}")
 
     def others(self) -> list[Claim]:
         """The other live servers on this GPU, the oldest first."""
@@ -139,6 +157,11 @@ class GpuClaims:
             return []
         found: dict[int, Claim] = {}
         wanted = [n for n in names if CLAIM_NAME.match(n) and n != self.path.name]
+        if (len(names) == MAX_ENTRIES or len(wanted) > MAX_CLAIMS) and not self._told_unread:
+            self._told_unread = True
+            log.warning("%s holds more files than vramguard reads (%d claims among %d "
+                        "names): servers whose claims are left unread are not seen",
+                        self.folder, MAX_CLAIMS, MAX_ENTRIES)
         for name in wanted[:MAX_CLAIMS]:
             claim = read_claim(self.folder / name)
             # One server per process, counted once: engines in this process share its

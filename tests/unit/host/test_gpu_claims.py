@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from app.host.gpu_claims import MAX_CLAIM_BYTES, Claim, GpuClaims
+from app.host.gpu_claims import MAX_CLAIM_BYTES, MAX_CLAIMS, Claim, GpuClaims
 
 GPU = "GPU-0b5c5c1e"
 
@@ -132,3 +132,29 @@ def test_the_folder_is_made_for_every_user_and_a_link_in_its_place_is_refused(tm
     refused.claim()
     assert refused.problem and "is a link" in refused.problem
     assert not list(folder.glob(f"{os.getpid()}-{refused.own.token}*"))
+
+
+def test_a_folder_others_may_write_without_the_sticky_bit_is_refused(tmp_path):
+    """Without the sticky bit any user could remove this server's claim, and the others
+    would plan for memory it uses: it writes none and says why (so it plans as alone)."""
+    folder = tmp_path / "gpus"
+    folder.mkdir()
+    os.chmod(folder, 0o777)
+    refused = GpuClaims(folder, GPU, 8765)
+    refused.claim()
+    assert refused.problem and "lacks the sticky bit" in refused.problem
+    assert not refused.path.exists()
+    os.chmod(folder, 0o1777)
+    accepted = GpuClaims(folder, GPU, 8765)
+    accepted.claim()
+    assert accepted.problem is None and accepted.path.exists()
+
+
+def test_claims_left_unread_are_logged_once(tmp_path, other_process, caplog):
+    folder = tmp_path / "gpus"
+    for n in range(MAX_CLAIMS + 1):
+        write_claim(folder, other_process.pid).rename(folder / f"{n + 1}-{'ab' * 8}.json")
+    claims = GpuClaims(folder, GPU, 8765)
+    claims.others()
+    claims.others()
+    assert caplog.text.count("holds more files than vramguard reads") == 1
