@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import psutil
 
-from bench.process import process_tree
+from bench.process import own_cpu_seconds, process_tree, tree_cpu_seconds
 
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
 # Reading a process's PSS makes the kernel walk its page tables: 22 ms of CPU for a 1.1 GiB
@@ -33,6 +33,8 @@ class LoadResult:
     latencies: list[float] = field(default_factory=list)
     statuses: Counter[str] = field(default_factory=Counter)
     peak_pss_bytes: int = 0
+    server_cpu_s: float = 0.0  # the server's whole process tree, during the load
+    client_cpu_s: float = 0.0  # this process (the load generator), during the load
 
     @property
     def ok(self) -> int:
@@ -50,10 +52,20 @@ class LoadResult:
 
     def merge(self, other: LoadResult) -> LoadResult:
         """Pool two runs at the same concurrency (interleaved rounds of one benchmark)."""
-        merged = LoadResult(self.concurrency, self.seconds + other.seconds,
-                            self.latencies + other.latencies, self.statuses + other.statuses,
-                            max(self.peak_pss_bytes, other.peak_pss_bytes))
-        return merged
+        return LoadResult(self.concurrency, self.seconds + other.seconds,
+                          self.latencies + other.latencies, self.statuses + other.statuses,
+                          max(self.peak_pss_bytes, other.peak_pss_bytes),
+                          self.server_cpu_s + other.server_cpu_s,
+                          self.client_cpu_s + other.client_cpu_s)
+
+    @property
+    def server_cores(self) -> float:
+        """Cores the server's tree kept busy on average during the load."""
+        return self.server_cpu_s / self.seconds if self.seconds else 0.0
+
+    @property
+    def client_cores(self) -> float:
+        return self.client_cpu_s / self.seconds if self.seconds else 0.0
 
     @property
     def errors(self) -> int:
@@ -112,9 +124,14 @@ async def run_load(url: str, body: bytes, concurrency: int, seconds: float,
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         watcher = (asyncio.create_task(_watch_memory(server_pid, result, stop))
                    if server_pid else None)
+        server_before = tree_cpu_seconds(server_pid) if server_pid else 0.0
+        own_before = own_cpu_seconds()
         started = time.perf_counter()
         await asyncio.gather(*(client(session) for _ in range(concurrency)))
         result.seconds = time.perf_counter() - started
+        result.client_cpu_s = own_cpu_seconds() - own_before
+        if server_pid:
+            result.server_cpu_s = tree_cpu_seconds(server_pid) - server_before
         stop.set()
         if watcher:
             await watcher

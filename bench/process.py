@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -33,6 +34,12 @@ def process_tree(pid: int) -> list[psutil.Process]:
 def tree_cpu_seconds(pid: int) -> float:
     """CPU time (user + system) a server and its decode workers have used so far."""
     return sum(m.cpu_times().user + m.cpu_times().system for m in process_tree(pid))
+
+
+def own_cpu_seconds() -> float:
+    """CPU time this process (a load generator, every thread) has used so far."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def free_port() -> int:

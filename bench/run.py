@@ -1,12 +1,16 @@
 """One command, one run: vramguard vs. the naive server vs. the offline limit.
 
-    python -m bench.run [--seconds 16] [--rounds 2] [--concurrency 1 8 32]
+    python -m bench.run [--seconds 16] [--rounds 2] [--concurrency 1 8 32 64]
 
 The speed of a shared machine drifts from minute to minute, so the servers are
 measured in interleaved rounds (vramguard, naive, vramguard, naive, ...) at
 each concurrency, with the result cache off, and the offline limit is measured
 before and after (the higher counts). Cache-hit throughput is measured
-separately. Prints a table with the ratios and writes it to bench/results/.
+separately. Each row says how many cores the server's process tree kept busy and the
+load generator's own share. The idle return: vramguard's PSS after warmup and the first
+requests, against its PSS after every load, once its quiet-spell upkeep has given memory
+back (``idle_release_s``, 60 s by default; target: within 5 %). Prints a table with the
+ratios and writes it to bench/results/.
 """
 
 from __future__ import annotations
@@ -26,11 +30,12 @@ import psutil
 import torch
 
 from app.models import DEFAULT_MODEL, load_model
-from bench.loadgen import LoadResult, run_load
+from bench.loadgen import LoadResult, run_load, tree_pss
 from bench.offline import offline_limit
 from bench.process import ROOT, free_port, running, server_env
 
 IMAGE = ROOT / "tests" / "data" / "coffee.jpg"
+IDLE_RETURN_LIMIT_S = 90.0  # the longest wait for the quiet-spell upkeep (60 s by default)
 
 
 @dataclass
@@ -43,7 +48,8 @@ class Row:
         return [self.server, str(r.concurrency), f"{r.requests_per_second:.1f}",
                 f"{r.percentile(50) * 1000:.0f}", f"{r.percentile(90) * 1000:.0f}",
                 f"{r.percentile(99) * 1000:.0f}", str(r.ok), str(r.errors),
-                f"{r.peak_pss_bytes / 1024**2:.0f}"]
+                f"{r.peak_pss_bytes / 1024**2:.0f}", f"{r.server_cores:.2f}",
+                f"{r.client_cores:.2f}"]
 
 
 def _settle(url: str, pid: int) -> None:
@@ -87,6 +93,17 @@ def _idle_release_latency(url: str) -> tuple[float, float]:
         return warm, timed()
 
 
+def _idle_return(url: str, pid: int, releases_before: int) -> tuple[int, float]:
+    """PSS once the server has given memory back after the loads, and the wait for it."""
+    started = time.monotonic()
+    with httpx.Client(base_url=url, timeout=10) as client:
+        while (client.get("/v1/memory").json()["idle_releases"] <= releases_before
+               and time.monotonic() - started < IDLE_RETURN_LIMIT_S):
+            time.sleep(1)
+    time.sleep(1)  # the release itself
+    return tree_pss(pid), time.monotonic() - started
+
+
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
     return (f"{platform.system()} {platform.machine()} ({cpu}), "
@@ -101,7 +118,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=16.0,
                         help="per server and load level, split over the rounds")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds per level")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -127,7 +144,10 @@ def main() -> int:
                    "naive": (f"{naive}/v1/classify", naive_proc.pid)}
         for url, pid in servers.values():
             _settle(url, pid)
+        settled_pss = tree_pss(ours_proc.pid)
+        releases = httpx.get(f"{ours}/v1/memory").json()["idle_releases"]
         rows = _interleaved(servers, args.concurrency, args.seconds, args.rounds)
+        idle_pss, idle_wait_s = _idle_return(ours, ours_proc.pid, releases)
     with running([*serve, "--port", str(ours_port)], f"{ours}/readyz", work / "cached.log",
                  env) as proc:
         hits = asyncio.run(run_load(f"{ours}/v1/classify", IMAGE.read_bytes(), 8,
@@ -153,23 +173,29 @@ def main() -> int:
         + ", ".join(f"b{r.batch_size} {r.images_per_second:.1f}" for r in offline_all) + ")",
         f"vramguard warmup chose batch size {chosen}",
         "",
-        "| server | concurrency | req/s | p50 ms | p90 ms | p99 ms | ok | errors | peak PSS MiB |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| server | concurrency | req/s | p50 ms | p90 ms | p99 ms | ok | errors | peak PSS MiB "
+        "| server cores | load generator cores |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         *("| " + " | ".join(row.cells()) + " |" for row in rows),
         "",
-        "| concurrency | vramguard / naive | vramguard / offline limit | p99 vramguard / naive |",
-        "| --- | --- | --- | --- |",
+        "| concurrency | vramguard / naive | vramguard / offline limit | p99 vramguard / naive "
+        "| peak PSS vramguard / naive |",
+        "| --- | --- | --- | --- | --- |",
     ]
     for c in args.concurrency:
         ours, theirs = by[("vramguard", c)], by[("naive", c)]
         lines.append(
             f"| {c} | {ours.requests_per_second / theirs.requests_per_second:.2f} | "
             f"{ours.requests_per_second / best.images_per_second:.2f} | "
-            f"{ours.percentile(99) / theirs.percentile(99):.2f} |")
+            f"{ours.percentile(99) / theirs.percentile(99):.2f} | "
+            f"{ours.peak_pss_bytes / theirs.peak_pss_bytes:.2f} |")
     lines += ["", f"cache hits (same image, concurrency 8): {hits.requests_per_second:.0f} req/s, "
               f"p99 {hits.percentile(99) * 1000:.1f} ms, errors {hits.errors}",
               f"first request after an idle release: {after_release_ms:.0f} ms "
-              f"(warm median {warm_ms:.0f} ms)"]
+              f"(warm median {warm_ms:.0f} ms)",
+              f"idle return: PSS {settled_pss / 1024**2:.0f} MiB after warmup, "
+              f"{idle_pss / 1024**2:.0f} MiB {idle_wait_s:.0f} s after the last load, once "
+              f"idle ({idle_pss / settled_pss - 1:+.1%})"]
     report = "\n".join(lines)
     print("\n" + report)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())

@@ -15,19 +15,31 @@ silent sockets cannot hold the share either.
 uvicorn closes an idle connection only after a response (its keep-alive timer), never a
 fresh one that sends nothing or a head that trickles in; its own ``limit_concurrency``
 answers in plain text without Retry-After, and only once a request head has arrived.
+
+An answer given before its request's body has arrived (a 429, or the 503 the queue gives
+before the upload) ends the connection by a *lingering close*: an error answer says
+``Connection: close``, the server stops writing after it, and the rest of the body is
+read and dropped below HTTP until the client hangs up, at most ``BODY_LINGER_S``. Kept
+open, the connection would pass the whole unwanted body through the HTTP parser to reuse
+it; closed at once with the body unread, the kernel would reset it, and the client could
+lose the answer before reading it (a client that sends its whole body before reading,
+as most do, always would).
 """
 
 from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import logging
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, cast
 
 import h11
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from app.errors import Overloaded
@@ -37,6 +49,8 @@ from app.http.stats import RequestStats
 log = logging.getLogger("vramguard.connections")
 RETRY_AFTER_S = 1  # most connections end within a second, the rest by the timeouts
 LINGER_S = 0.5  # how long a refused connection may take to read its answer and hang up
+BODY_LINGER_S = 2.0  # how long the rest of a body answered early may take to arrive
+CLOSE = (b"connection", b"close")
 FILES_RESERVE = 64  # file handles kept for the log, the cache, the model, refusals…
 FILES_RESERVE_SHARE = 4  # …or a quarter of the limit, whichever is more
 MIN_CONNECTIONS = 8
@@ -202,9 +216,11 @@ class _OnePacket:
     own packet and wake-up for the client, and a response's head and body are two writes
     (a sixth of the CPU a refusal costs went to the second one)."""
 
-    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop,
+                 close: Callable[[], None]) -> None:
         self._transport = transport
         self._loop = loop
+        self._close = close
         self._held: list[bytes] = []
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
@@ -221,7 +237,7 @@ class _OnePacket:
 
     def close(self) -> None:
         self.flush()
-        self._transport.close()
+        self._close()
 
     def write_eof(self) -> None:
         self.flush()
@@ -247,6 +263,7 @@ class GuardedH11Protocol(H11Protocol):
     # connections past everyone's part that have sent no request head, oldest first
     heads_due: ClassVar[dict[GuardedH11Protocol, None]]
     _head_timer: asyncio.TimerHandle | None = None
+    _linger_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # as uvicorn's own
         no_delay(transport)
@@ -260,7 +277,9 @@ class GuardedH11Protocol(H11Protocol):
             refusal.connection_made(transport)
             return
         super().connection_made(transport)
-        self.transport = cast(asyncio.Transport, _OnePacket(transport, self.loop))
+        self.transport = cast(asyncio.Transport, _OnePacket(
+            transport, self.loop, functools.partial(self._close, transport)))
+        self.app = self._closing_unread(self.app)
         if open_now >= self.limits.open_to_all:
             self.app = self.share.around(self.app)
             self.heads_due[self] = None
@@ -280,7 +299,41 @@ class GuardedH11Protocol(H11Protocol):
             return True
         return False
 
+    def _body_pending(self) -> bool:
+        """The request's body is still arriving (always False between requests)."""
+        return self.conn.their_state is h11.SEND_BODY
+
+    def _closing_unread(self, app: ASGIApp) -> ASGIApp:
+        """`app`, its error answers given while the body is still arriving marked
+        ``Connection: close``: the connection ends with them (``_close``)."""
+
+        async def app_closing_unread(scope: Scope, receive: Receive, send: Send) -> None:
+            async def answer(message: Message) -> None:
+                if (message["type"] == "http.response.start" and message["status"] >= 400
+                        and self._body_pending()
+                        and CLOSE not in (headers := list(message.get("headers", ())))):
+                    message = {**message, "headers": [*headers, CLOSE]}
+                await send(message)
+
+            await app(scope, receive, answer)
+
+        return app_closing_unread
+
+    def _close(self, transport: asyncio.Transport) -> None:
+        """uvicorn closing the connection: a lingering close while the body still comes
+        (stop writing, drop what arrives, until the client hangs up, which closes the
+        transport, or BODY_LINGER_S), else at once."""
+        if not self._body_pending() or not transport.can_write_eof() or transport.is_closing():
+            transport.close()
+            return
+        if self._linger_timer is None:
+            transport.write_eof()
+            self.flow.resume_reading()
+            self._linger_timer = self.loop.call_later(BODY_LINGER_S, transport.close)
+
     def data_received(self, data: bytes) -> None:
+        if self._linger_timer is not None:
+            return  # the rest of a body already answered: dropped unparsed
         super().data_received(data)
         if self.cycle is not None:
             self.heads_due.pop(self, None)
@@ -292,6 +345,8 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_head_timer()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
         self.heads_due.pop(self, None)
         super().connection_lost(exc)
 
