@@ -98,6 +98,12 @@ class Overload:
         return self.statuses["200"] / self.seconds
 
     @property
+    def no_answer_kinds(self) -> str:
+        """What the clients without an answer got instead (an error's name, "late")."""
+        return ", ".join(f"{n} x {status}" for status, n in self.statuses.items()
+                         if status not in ("200", *REFUSALS) and not status.startswith("4"))
+
+    @property
     def unanswered(self) -> int:
         """Timeouts and broken connections: clients that got no answer in time."""
         return sum(n for status, n in self.statuses.items()
@@ -189,7 +195,7 @@ def _line(name: str, capacity: float, result: Overload) -> str:
             f"{result.statuses['200']} | {sum(result.statuses[s] for s in REFUSALS)} | "
             f"{result.unanswered} | {result.without_retry_after} | {p99:.1f} | "
             f"{result.server_cpu_s / answers * 1000:.2f} | "
-            f"{result.client_cpu_s / result.seconds:.2f} |")
+            f"{result.client_cpu_s / result.seconds:.2f} | {result.no_answer_kinds} |")
 
 
 def main() -> int:
@@ -235,8 +241,8 @@ def main() -> int:
           f"{args.seconds:.0f} s per overload; 2400x1600 JPEG ({len(body) // 1024} KiB)\n")
     print("| server | capacity c=32 img/s | goodput img/s | ratio | 200 | 429+503 | "
           "no answer | refusals without Retry-After | p99 of 200 s | server CPU ms "
-          "per answer | clients' cores |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "per answer | clients' cores | instead of an answer |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     print("\n".join(rows))
     return 0
 

@@ -128,6 +128,7 @@ def _port_problem(host: str, port: int) -> str | None:
 
 def serve(settings: Settings, launched_by: int | None = None) -> int:
     from app.engine.device import DeviceError, resolve_device
+    from app.gates.upload_deadline import UploadPace
     from app.host.logs import flush_repeats, setup_logging
     from app.host.user_files import check_user_files, reason
     from app.http.connection_share import trusted_caller
@@ -187,7 +188,10 @@ def serve(settings: Settings, launched_by: int | None = None) -> int:
                                         log_file or "none (its folder cannot be written)")
     for warning in unknown_variables(os.environ):  # once, in the log and on stderr
         logging.getLogger("vramguard").warning(warning)
-    limits = connection_limits(settings.max_connections, settings.header_timeout_s)
+    limits = connection_limits(settings.max_connections, settings.header_timeout_s,
+                               UploadPace(int(settings.min_upload_bytes_per_s),
+                                          settings.upload_grace_s),
+                               int(settings.max_body_bytes))
     try:
         listener = listening_socket(settings.host, settings.port)
     except OSError as exc:  # taken since the check above

@@ -16,14 +16,18 @@ uvicorn closes an idle connection only after a response (its keep-alive timer), 
 fresh one that sends nothing or a head that trickles in; its own ``limit_concurrency``
 answers in plain text without Retry-After, and only once a request head has arrived.
 
-An answer given before its request's body has arrived (a 429, or the 503 the queue gives
-before the upload) ends the connection by a *lingering close*: an error answer says
-``Connection: close``, the server stops writing after it, and the rest of the body is
-read and dropped below HTTP until the client hangs up, at most ``BODY_LINGER_S``. Kept
-open, the connection would pass the whole unwanted body through the HTTP parser to reuse
-it; closed at once with the body unread, the kernel would reset it, and the client could
-lose the answer before reading it (a client that sends its whole body before reading,
-as most do, always would).
+An answer given before its request's body has arrived (a 429, the 503 the queue gives
+before the upload, a 404) leaves the rest of that body to come. Where its length is known
+(``Content-Length``, as nearly every client sends) and within ``max_body_bytes``, the rest
+is *skipped* below HTTP: read into a buffer no one looks at, nothing parsed, and the
+connection then serves the next request as usual; it must arrive at the upload pace
+(``upload_grace_s`` plus its bytes at ``min_upload_bytes_per_s``), or the connection is
+closed. Otherwise (a chunked body, a larger one declared), an error answer says
+``Connection: close`` and the connection ends by a *lingering close*: the server stops
+writing, drops what still arrives, and closes when the client hangs up, at most
+``BODY_LINGER_S`` later. Parsed, the unwanted body would cost more than the refusal;
+closed at once with it unread, the kernel would reset the connection, and a client that
+writes its whole body before reading (most do) would lose the answer.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from app.errors import Overloaded
+from app.gates.upload_deadline import UploadPace
 from app.http.connection_share import OneAnswer, Trusted, health_check
 from app.http.stats import RequestStats
 
@@ -65,6 +70,8 @@ OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 class ConnectionLimits:
     max_connections: int
     header_timeout_s: float
+    pace: UploadPace  # the rest of a body answered early must come at least this fast…
+    max_skip_bytes: int  # …and be no larger than an upload may be (max_body_bytes)
 
     @property
     def open_to_all(self) -> int:
@@ -101,7 +108,8 @@ def connection_cap(wanted: int, open_files: int | None) -> int:
     return min(wanted, max(MIN_CONNECTIONS, open_files - reserve))
 
 
-def connection_limits(max_connections: int, header_timeout_s: float) -> ConnectionLimits:
+def connection_limits(max_connections: int, header_timeout_s: float, pace: UploadPace,
+                      max_skip_bytes: int) -> ConnectionLimits:
     """At start: raise the open-files limit, fit the cap under it, and say so in the log."""
     raised = raise_open_files_limit()
     open_files = raised[1] if raised else None
@@ -112,7 +120,7 @@ def connection_limits(max_connections: int, header_timeout_s: float) -> Connecti
         log.warning("the open-files limit (%s) leaves room for %d connections at once, not "
                     "max_connections=%d; raise it ('ulimit -n') to allow more", open_files,
                     cap, max_connections)
-    return ConnectionLimits(cap, header_timeout_s)
+    return ConnectionLimits(cap, header_timeout_s, pace, max_skip_bytes)
 
 
 class _Listener(socket.socket):
@@ -210,19 +218,18 @@ class _Refusal(asyncio.Protocol):
             self.timer.cancel()
 
 
-class _Dropped(asyncio.BufferedProtocol):
-    """A connection in its lingering close: what arrives is read into one buffer that all
-    of them share and never look at (no allocation, no HTTP parsing: a refused 463 KiB
-    upload read as bytes cost a third of the refusal's CPU), and its end reaches the HTTP
-    protocol it came from."""
+_SINK = memoryview(bytearray(256 * 1024))  # where unwanted bodies are read; never looked at
 
-    _sink = memoryview(bytearray(256 * 1024))
+
+class _Dropped(asyncio.BufferedProtocol):
+    """A connection in its lingering close: what arrives is read into ``_SINK`` (no bytes
+    allocated, nothing parsed), and its end reaches the HTTP protocol it came from."""
 
     def __init__(self, owner: asyncio.BaseProtocol) -> None:
         self.owner = owner
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        return self._sink
+        return _SINK
 
     def buffer_updated(self, nbytes: int) -> None:
         pass
@@ -232,6 +239,35 @@ class _Dropped(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.owner.connection_lost(exc)
+
+
+class _Skipped(_Dropped):
+    """The rest of a body already answered, ``left`` bytes, read into ``_SINK``; then the
+    connection goes back to its HTTP protocol with whatever followed (a next request)."""
+
+    def __init__(self, owner: GuardedH11Protocol, left: int) -> None:
+        super().__init__(owner)
+        self.protocol = owner
+        self.left = left
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if nbytes < self.left:
+            self.left -= nbytes
+            return
+        after = bytes(_SINK[self.left:nbytes])
+        self.left = 0
+        self.protocol.skipped(after)
+
+
+def _body_left(conn: h11.Connection) -> int | None:
+    """Bytes of the request's body still to come, where its length is known: a
+    ``Content-Length`` body wholly parsed so far. h11 keeps the count in its reader, not
+    in its public API: where that changes, None, and the connection closes instead."""
+    reader = getattr(conn, "_reader", None)
+    left = getattr(reader, "_remaining", None)
+    if type(reader).__name__ != "ContentLengthReader" or not isinstance(left, int):
+        return None
+    return left if not conn.trailing_data[0] else None
 
 
 class _OnePacket:
@@ -301,6 +337,7 @@ class GuardedH11Protocol(H11Protocol):
             refusal.connection_made(transport)
             return
         super().connection_made(transport)
+        self._raw = transport
         self.transport = cast(asyncio.Transport, _OnePacket(
             transport, self.loop, functools.partial(self._close, transport)))
         self.app = self._closing_unread(self.app)
@@ -327,14 +364,20 @@ class GuardedH11Protocol(H11Protocol):
         """The request's body is still arriving (always False between requests)."""
         return self.conn.their_state is h11.SEND_BODY
 
+    def _skippable(self) -> int | None:
+        """The bytes left of a body still arriving, if they may be skipped: a known length,
+        no more than an upload may be (a larger one declared got 413: closed instead)."""
+        left = _body_left(self.conn) if self._body_pending() else None
+        return left if left is not None and left <= self.limits.max_skip_bytes else None
+
     def _closing_unread(self, app: ASGIApp) -> ASGIApp:
-        """`app`, its error answers given while the body is still arriving marked
-        ``Connection: close``: the connection ends with them (``_close``)."""
+        """`app`, its error answers given while a body of unknown length is still
+        arriving marked ``Connection: close``: the connection ends with them (``_close``)."""
 
         async def app_closing_unread(scope: Scope, receive: Receive, send: Send) -> None:
             async def answer(message: Message) -> None:
                 if (message["type"] == "http.response.start" and message["status"] >= 400
-                        and self._body_pending()
+                        and self._body_pending() and self._skippable() is None
                         and CLOSE not in (headers := list(message.get("headers", ())))):
                     message = {**message, "headers": [*headers, CLOSE]}
                 await send(message)
@@ -356,8 +399,34 @@ class GuardedH11Protocol(H11Protocol):
             transport.resume_reading()
             self._linger_timer = self.loop.call_later(BODY_LINGER_S, transport.close)
 
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.cycle is not None:
+            self.heads_due.pop(self, None)
+        self._watch_head()
+
     def on_response_complete(self) -> None:
-        super().on_response_complete()
+        left = self._skippable()
+        if left is not None and not self.transport.is_closing() and self._linger_timer is None:
+            transport = self._raw
+            transport.set_protocol(_Skipped(self, left))
+            self._linger_timer = self.loop.call_later(
+                self.limits.pace.allowed_s(left), transport.close)
+        super().on_response_complete()  # resumes reading, starts the idle timer
+        self._watch_head()
+
+    def skipped(self, after: bytes) -> None:
+        """The rest of an answered body has been skipped: back to HTTP, with a parser that
+        starts at the next request, and what followed the body."""
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+            self._linger_timer = None
+        size = self.config.h11_max_incomplete_event_size
+        self.conn = (h11.Connection(h11.SERVER) if size is None
+                     else h11.Connection(h11.SERVER, size))
+        self._raw.set_protocol(self)
+        if after:
+            self.data_received(after)
         self._watch_head()
 
     def connection_lost(self, exc: Exception | None) -> None:

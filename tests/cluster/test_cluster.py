@@ -249,10 +249,15 @@ def test_a_paused_replica_answers_503_with_retry_after_through_the_proxy(cluster
         responses = asyncio.run(burst(cluster.url, 12))
     finally:
         httpx.post(f"{cluster.own(0)}/v1/admin/resume", headers=admin)
-    paused = [r for r in responses if r.status_code == 503]
+    refused = [r for r in responses if r.status_code == 503]
+    paused = [r for r in refused if r.json()["error"]["code"] == "paused"]
     assert paused, "no request reached the paused replica"
-    assert all(r.json()["error"]["code"] == "paused" and r.headers["Retry-After"] == "30"
-               for r in paused)
+    assert all(r.headers["Retry-After"] == "30" for r in paused)
+    # A machine busy enough (two CPU hogs beside the suite) makes the other replica refuse
+    # too, for its own reason: that 503 is passed on as it is as well.
+    others = {(r.json()["error"]["code"], "Retry-After" in r.headers)
+              for r in refused if r not in paused}
+    assert others <= {("overloaded", True)}, others
     assert {r.status_code for r in responses} <= {200, 503}
 
 

@@ -10,7 +10,10 @@ import socket
 import h11
 import pytest
 
+from app.gates.upload_deadline import UploadPace
 from app.http.connections import connection_cap, overloaded_response
+
+PACE = UploadPace(1024**2, 5.0)  # the settings' defaults
 
 
 def test_the_refusal_is_a_whole_http_response_with_the_api_error_body():
@@ -58,7 +61,8 @@ def test_every_connection_has_nagle_off_however_it_was_accepted():
 
     plain = socket.create_server(("127.0.0.1", 0))  # not listening_socket's _Listener
     config = uvicorn.Config(app, loop="asyncio", log_config=None, lifespan="off",
-                            http=guarded_protocol(connection_limits(64, 10), RequestStats()))
+                            http=guarded_protocol(connection_limits(64, 10, PACE, 32 * 1024**2),
+                                                  RequestStats()))
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [plain]}, daemon=True)
     thread.start()
