@@ -63,7 +63,7 @@ def imports(check: Check, out: dict[str, Any]) -> str:
             with contextlib.suppress(Exception):
                 version = importlib.metadata.version(distributions[top][0])
         out[name] = {"ok": True, "version": None if top == "app" else str(version),
-                     "from": str(Path(module.__file__ or "").parent),
+                     "from": str(Path(getattr(module, "__file__", None) or "").parent),
                      "seconds": round(time.perf_counter() - started, 3)}
         if name == lite_standin.PACKAGE and LITE[2] in check.stand_ins:
             out[name]["stand_in"] = check.stand_ins[LITE[2]]

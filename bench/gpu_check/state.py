@@ -68,8 +68,9 @@ class Nvml:
 class Check:
     """The run's state, and the readings and verdicts every step uses."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, gpu_plan: Plan = GPU_PLAN) -> None:
         self.args = args
+        self.gpu_plan = gpu_plan  # the run's size where there is CUDA
         self.dry = bool(args.dry or args.device == "cpu")
         self.plan = DRY_PLAN
         self.out: Path | None = None
@@ -149,7 +150,7 @@ class Check:
                                       "(use --dry for the CPU dry mode)")
         self.device = "cpu" if self.dry else (
             "cuda" if self.args.device == "auto" else self.args.device)
-        self.plan = DRY_PLAN if self.dry else GPU_PLAN
+        self.plan = DRY_PLAN if self.dry else self.gpu_plan
         overrides = {"max_batch": self.args.max_batch_size, "seconds": self.args.seconds,
                      "budget_s": self.args.budget_s}
         self.plan = Plan(**{**asdict(self.plan),

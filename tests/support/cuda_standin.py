@@ -11,7 +11,8 @@ Semantics kept (PyTorch "CUDA semantics / memory management" and the NVML docs):
 - allocated <= reserved <= the device; allocations are rounded up to 512 bytes
   and carved from 2 MiB-rounded *segments*; a freed block goes back to its
   segment (cached: still reserved), and a new allocation reuses a free segment
-  large enough for it (best fit), else the allocator reserves a new one;
+  large enough for it (best fit), else the allocator reserves a new one; blocks below
+  1 MiB share 2 MiB segments of their own (the small pool: first fit);
 - before failing, the allocator frees every unused cached segment and retries
   (``num_alloc_retries``); then it raises ``torch.OutOfMemoryError`` with
   CUDA's message (``num_ooms``). Reserved is capped by the device and by
@@ -100,6 +101,7 @@ import torch
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
 BLOCK = 512
 SEGMENT = 2 * MiB
+SMALL = MiB  # blocks below this share 2 MiB segments (the small pool)
 
 
 def round_up(n: int, unit: int) -> int:
@@ -112,6 +114,7 @@ class Segment:
 
     size: int
     used: int = 0
+    small: bool = False  # of the small pool: holds several blocks below SMALL bytes
 
 
 class CudaStandIn:
@@ -131,7 +134,7 @@ class CudaStandIn:
         self.recording = False
         self.calls: Counter[str] = Counter()
         self.stats: Counter[str] = Counter()
-        self._handles: dict[int, Segment] = {}
+        self._handles: dict[int, tuple[Segment, int]] = {}
         self._next_handle = 1
         self._failures: list[BaseException] = []
 
@@ -158,17 +161,22 @@ class CudaStandIn:
         if self._failures:
             raise self._failures.pop(0)
         size = round_up(nbytes, BLOCK)
-        segment = self._reuse(size) or self._reserve(size)
-        segment.used = size
+        if size < SMALL:
+            segment = next((s for s in self.segments if s.small and s.size - s.used >= size),
+                           None) or self._reserve(SEGMENT, small=True)
+        else:
+            segment = self._reuse(size) or self._reserve(size)
+        segment.used += size
         handle, self._next_handle = self._next_handle, self._next_handle + 1
-        self._handles[handle] = segment
+        self._handles[handle] = (segment, size)
         self.peak_allocated = max(self.peak_allocated, self.allocated)
         self.peak_reserved = max(self.peak_reserved, self.reserved)
         return handle
 
     def free(self, handle: int) -> None:
         """The tensor died: its block goes back to the cache, still reserved."""
-        self._handles.pop(handle).used = 0
+        segment, size = self._handles.pop(handle)
+        segment.used -= size
 
     def forward(self, *sizes: int) -> None:
         """A forward pass: every activation allocated, then all freed (also when an
@@ -188,10 +196,10 @@ class CudaStandIn:
                 "CUDA out of memory. Tried to allocate 20.00 MiB (stand-in)"))
 
     def _reuse(self, size: int) -> Segment | None:
-        free = [s for s in self.segments if not s.used and s.size >= size]
+        free = [s for s in self.segments if not s.small and not s.used and s.size >= size]
         return min(free, key=lambda s: s.size) if free else None
 
-    def _reserve(self, size: int) -> Segment:
+    def _reserve(self, size: int, small: bool = False) -> Segment:
         seg = round_up(size, SEGMENT)
         if not self._fits(seg):
             self.stats["num_alloc_retries"] += 1
@@ -202,7 +210,7 @@ class CudaStandIn:
                     f"CUDA out of memory. Tried to allocate {seg / MiB:.2f} MiB. GPU 0 has a "
                     f"total capacity of {self.total / GiB:.2f} GiB of which "
                     f"{self.mem_get_info()[0] / MiB:.2f} MiB is free (stand-in)")
-        segment = Segment(seg)
+        segment = Segment(seg, small=small)
         self.segments.append(segment)
         self.stats["num_device_alloc"] += 1
         return segment
@@ -376,6 +384,7 @@ class NvmlStandIn:
         self.driver_model: int | None = None
         self.utilization = (0, 0)
         self.initialized = False
+        self.inits = 0
         self.calls: Counter[str] = Counter()
         self._failures: dict[str, int | None] = {}
         self._codes: dict[str, int] = {}
@@ -408,6 +417,7 @@ class NvmlStandIn:
 
     def _module(self) -> types.ModuleType:
         module = types.ModuleType("pynvml", "stand-in (tests/support/cuda_standin.py)")
+        module.__file__ = __file__  # where a report says the module came from
         handle = object()
 
         def wrap(name: str, fn: Any) -> None:
@@ -417,11 +427,14 @@ class NvmlStandIn:
             call.__name__ = name
             setattr(module, name, call)
 
+        # NVML counts its initializations: it shuts down at the last nvmlShutdown.
         def init() -> None:
+            self.inits += 1
             self.initialized = True
 
         def shutdown() -> None:
-            self.initialized = False
+            self.inits = max(0, self.inits - 1)
+            self.initialized = self.inits > 0
 
         def memory_info(h: Any, version: int | None = None) -> types.SimpleNamespace:
             used = (self._own_use() + self.cuda.others

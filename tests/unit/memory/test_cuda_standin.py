@@ -16,8 +16,10 @@ from cuda_standin import (
     SEGMENT,
     CudaStandIn,
     GiB,
+    KiB,
     MiB,
     NVMLError,
+    NvmlStandIn,
     install_gpu,
 )
 
@@ -165,3 +167,24 @@ def test_nvml_scripted_edge_cases(monkeypatch):
     with pytest.raises(pynvml.NVMLError, match="Unknown"):
         pynvml.nvmlDeviceGetMemoryInfo(handle)
     assert pynvml.nvmlDeviceGetMemoryInfo(handle).total == 80 * GiB
+
+
+def test_small_blocks_share_a_segment_and_large_ones_never_use_it():
+    cuda = CudaStandIn(total=GiB)
+    small = [cuda.alloc(100 * KiB) for _ in range(30)]  # 20 per 2 MiB segment: two
+    assert cuda.reserved == 2 * SEGMENT and cuda.allocated == 30 * 100 * KiB
+    for handle in small:
+        cuda.free(handle)
+    cuda.alloc(2 * MiB)  # the free small segments are not for it
+    assert cuda.reserved == 3 * SEGMENT
+
+
+def test_nvml_shuts_down_at_the_last_of_its_initializations(monkeypatch):
+    nvml = NvmlStandIn(CudaStandIn(total=GiB)).module
+    nvml.nvmlInit()
+    nvml.nvmlInit()  # another user of NVML in the same process
+    nvml.nvmlShutdown()
+    assert nvml.nvmlDeviceGetCount() == 1  # the first one's session is still open
+    nvml.nvmlShutdown()
+    with pytest.raises(NVMLError):
+        nvml.nvmlDeviceGetCount()
