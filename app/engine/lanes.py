@@ -234,32 +234,36 @@ def fail(item: WorkItem[P, R], error: Exception) -> None:
 def run_batch(lane: Lane[P, R], batch: list[WorkItem[P, R]],
               counters: tuple[BatcherStats, ...], clock: Callable[[], float]) -> None:
     """Run one batch of ``lane`` (on the device thread) and settle its futures: a result
-    that is an exception fails its request, an exception raised fails the whole batch."""
+    that is an exception fails its request, an exception raised fails the whole batch.
+    The batch is counted before any of its answers goes out, so a client that reads the
+    stats after its answer finds its batch there."""
     started = clock()
     # With a backlog, the time since the lane's last batch ended counts too (taking this
     # one, waiting for the interpreter lock): it is part of how fast the queue drains.
     began = lane.last_end if lane.had_backlog and lane.last_end is not None else started
+    outcomes: list[R | BaseException]
     try:
-        results = lane.run_batch([item.payload for item in batch])
-        if len(results) != len(batch):
-            raise RuntimeError(f"batch of {len(batch)} gave {len(results)} results")
-        if lane.full:
-            lane.measure(clock() - began, len(batch))
-    except Exception as exc:
-        log.exception("batch of %d failed", len(batch))
-        for stats in counters:
-            stats.failed_batches += 1
-        for item in batch:
-            item.future.set_exception(without_traceback(exc))
-    else:
-        for item, result in zip(batch, results, strict=True):
-            if isinstance(result, BaseException):
-                item.future.set_exception(result)
+        try:
+            results = lane.run_batch([item.payload for item in batch])
+            if len(results) != len(batch):
+                raise RuntimeError(f"batch of {len(batch)} gave {len(results)} results")
+            if lane.full:
+                lane.measure(clock() - began, len(batch))
+            outcomes = list(results)
+        except Exception as exc:
+            log.exception("batch of %d failed", len(batch))
+            for stats in counters:
+                stats.failed_batches += 1
+            outcomes = [without_traceback(exc) for _ in batch]
+        finally:
+            for stats in counters:
+                stats.count_batch(len(batch))
+            lane.in_flight = 0
+        for item, outcome in zip(batch, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                item.future.set_exception(outcome)
             else:
-                item.future.set_result(result)
+                item.future.set_result(outcome)
     finally:
-        for stats in counters:
-            stats.count_batch(len(batch))
-        lane.in_flight = 0
         lane.last_end = clock()
         lane.had_backlog = bool(lane.queue)

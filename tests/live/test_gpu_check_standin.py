@@ -14,17 +14,21 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.gpu_check.plan import LITE, PROMISE_STEPS, STEPS
+from bench.gpu_check.plan import LITE, PROMISE_STEPS, STEPS, selected
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNNER = ROOT / "tests" / "support" / "gpu_check_on_standin.py"
 
 
+def check_on_standin(out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.run([sys.executable, str(RUNNER), str(out), *extra], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+
+
 def test_the_whole_check_runs_its_cuda_branches_on_the_standin(tmp_path):
     out = tmp_path / "check.json"
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([sys.executable, str(RUNNER), str(out)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
+    done = check_on_standin(out)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert "GPU CHECK PASSED" in done.stdout
     report = json.loads(out.read_text())
@@ -57,3 +61,24 @@ def test_the_whole_check_runs_its_cuda_branches_on_the_standin(tmp_path):
     assert set(PROMISE_STEPS) <= set(steps)
     assert steps["precision"]["result"]["recommended"]["on"] != "cpu"
     assert set(report["stages"]) >= {"before_init", "load", "warmup", "end"}
+
+
+def test_a_rerun_with_only_runs_what_was_asked_and_what_it_needs(tmp_path):
+    """The rerun after a failed promise step, as docs/memory.md gives it, down the CUDA
+    branches: those steps and what they need run, the rest is recorded as skipped."""
+    out = tmp_path / "rerun.json"
+    asked = ["pressure_oom", "multi_model"]
+    done = check_on_standin(out, "--only", ",".join(asked))
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert report["only"] == sorted(selected(asked), key=STEPS.index)
+    steps = report["steps"]
+    assert list(steps) == list(STEPS)
+    for name, record in steps.items():
+        if name in selected(asked):
+            assert record["status"] == "ok", (name, record)
+        else:
+            assert record["status"] == "skipped", (name, record)
+            assert "not asked for" in record["reason"]
+    assert {"load", "warmup"} <= set(report["only"]) and "forced_oom" not in report["only"]
+    assert steps["multi_model"]["result"]["admin_unload"]["gave_back_its_weights"] is True

@@ -1,6 +1,6 @@
 """The whole GPU check on the CUDA stand-in, in a process of its own:
 
-    python tests/support/gpu_check_on_standin.py OUT.json
+    python tests/support/gpu_check_on_standin.py OUT.json [--only STEP,...]
 
 ``torch.cuda`` and ``pynvml`` are the stand-ins (``cuda_standin``), tensors placed on
 "cuda" live on the CPU and are counted by the stand-in's allocator
@@ -24,7 +24,7 @@ from cuda_device_standin import StandInDevice
 from cuda_standin import GiB, MiB, install_gpu
 
 from bench.gpu_check.__main__ import run
-from bench.gpu_check.plan import Plan
+from bench.gpu_check.plan import STEPS, Plan, selected
 from bench.gpu_check.state import Check
 
 # Small batches on the CPU, a latency target no CPU misses (so a busy machine tries the same
@@ -36,15 +36,22 @@ TOTAL = 8 * GiB  # the stand-in GPU; its CUDA context takes 300 MiB of it
 
 
 def main() -> int:
-    out = Path(sys.argv[1])
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--only", type=lambda text: text.split(","))
+    given = parser.parse_args()
     patches = pytest.MonkeyPatch()
     cuda, _ = install_gpu(patches, total=TOTAL, context=300 * MiB)
     device = StandInDevice(cuda).install(patches)
     args = argparse.Namespace(device="cuda", dry=False, model="efficientnet_lite0",
-                              max_batch_size=None, seconds=None, budget_s=None, out=out,
-                              only=None, prepare=None)
+                              max_batch_size=None, seconds=None, budget_s=None, out=given.out,
+                              only=given.only, prepare=None)
+    check = Check(args, gpu_plan=STANDIN_PLAN)
+    if given.only:  # as bench.gpu_check's own --only
+        check.steps.only = selected(given.only)
+        check.report["only"] = sorted(check.steps.only, key=STEPS.index)
     try:
-        return run(Check(args, gpu_plan=STANDIN_PLAN))
+        return run(check)
     finally:
         device.uninstall()
         patches.undo()

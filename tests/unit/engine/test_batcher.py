@@ -270,6 +270,29 @@ def test_exception_reaches_only_its_batch(make):
     assert batcher.stats.failed_batches == 1
 
 
+def test_a_batch_is_counted_before_its_answers_go_out(make):
+    """A client that reads /v1/stats right after its answer finds its batch counted
+    (the stats were counted after the futures were settled, and a loaded machine showed
+    the answer first)."""
+    model = FakeModel(fail_on="bad")
+    batcher = make(model, max_batch=2)
+    seen: list[tuple[int, int]] = []
+
+    def record(_: Future) -> None:  # runs as the answer is given, on the device thread
+        seen.append((batcher.stats.batches, batcher.stats.failed_batches))
+
+    hold_busy(model, batcher)
+    good = batcher.submit("x", timeout_s=30)
+    good.add_done_callback(record)
+    model.gate.set()
+    assert good.result(5) == "out:x"
+    bad = batcher.submit("bad", timeout_s=30)
+    bad.add_done_callback(record)
+    with pytest.raises(RuntimeError, match="model exploded"):
+        bad.result(5)
+    assert seen == [(2, 0), (3, 1)]
+
+
 def test_full_queue_refuses_with_retry_after(make):
     model = FakeModel()
     batcher = make(model, max_batch=1, queue_size=2)
