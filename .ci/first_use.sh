@@ -15,7 +15,8 @@ server=""
 desktop=()
 finish() {
     [ -z "$server" ] || kill "$server" 2>/dev/null || true
-    for pid in "${desktop[@]}"; do kill "$pid" 2>/dev/null || true; done
+    # the last started first: a tray whose display is stopped under it cannot close its icon
+    for ((i = ${#desktop[@]} - 1; i >= 0; i--)); do kill "${desktop[i]}" 2>/dev/null || true; done
     rm -rf "$work"
 }
 trap finish EXIT
