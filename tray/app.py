@@ -27,7 +27,6 @@ from tray.text import MODELS_HEADING, SUPPORT_REPORT_ITEM, USE_PAGE_ITEM, fit_no
 
 log = logging.getLogger("vramguard.tray")
 REFRESH_S = 1.0
-STOP_WAIT_S = 10.0  # how long closing the icon may take before the tray leaves without it
 MENU_LINES = 7
 LINUX_BACKENDS = ("appindicator", "gtk", "xorg")  # pystray's own order: menus first
 
@@ -85,37 +84,8 @@ class TrayView:
             self._menu = menu
 
 
-def stop_icon(icon: Any, wait_s: float = STOP_WAIT_S) -> bool:
-    """Close the icon, waiting at most ``wait_s``; False when it did not close in time.
-
-    From another thread, pystray's X backend hands ``stop`` to its main loop and waits for
-    the answer with no time limit. Where the display has gone (the desktop session ended,
-    the X server was stopped) that loop has ended and never answers, and because pystray's
-    thread is not a daemon the tray process would then wait for ever after its main loop
-    (seen in CI: a tray left running for hours once its Xvfb was stopped). So a daemon
-    thread makes the call, and an error it raises is raised here."""
-    failed: list[Exception] = []
-
-    def close() -> None:
-        try:
-            icon.stop()
-        except Exception as exc:
-            failed.append(exc)
-
-    closing = threading.Thread(target=close, name="tray-stop", daemon=True)
-    closing.start()
-    closing.join(wait_s)
-    if failed:
-        raise failed[0]
-    if closing.is_alive():
-        log.warning("tray: the icon did not close within %.0f s (has the desktop session "
-                    "ended?); leaving without it", wait_s)
-        return False
-    return True
-
-
 def update_loop(icon: Any, controller: TrayController, stop: threading.Event,
-                view: TrayView, stop_wait_s: float = STOP_WAIT_S) -> None:
+                view: TrayView) -> None:
     """Refresh the icon until the tray quits. One failed pass (a temporary file an
     antivirus holds, say) is logged and the next pass tries again: an exception ending
     this thread would freeze the tray."""
@@ -125,7 +95,7 @@ def update_loop(icon: Any, controller: TrayController, stop: threading.Event,
             controller.refresh()
             if controller.stopped:
                 stop.set()
-                stop_icon(icon, stop_wait_s)
+                icon.stop()
                 return
             view.show(icon)
         except Exception:

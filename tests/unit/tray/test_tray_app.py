@@ -11,11 +11,10 @@ import sys
 import threading
 from pathlib import Path
 
-import pytest
 from live_server import ROOT
 from PIL import Image
 
-from tray.app import TrayView, build_menu, stop_icon, update_loop
+from tray.app import TrayView, build_menu, update_loop
 
 
 class Controller:
@@ -110,39 +109,6 @@ def test_a_failed_update_is_logged_and_tried_again(caplog):
     update_loop(icon, controller, threading.Event(), TrayView(controller))  # type: ignore
     assert icon.pictures == 1 and icon.stopped  # the picture was set again, then Quit
     assert "could not update the icon" in caplog.text
-
-
-class StuckIcon(Icon):
-    """pystray's X backend after its display has gone: stop() waits for a main loop that
-    has ended."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.release = threading.Event()
-
-    def stop(self) -> None:
-        self.release.wait(30)
-
-
-def test_the_tray_leaves_when_its_display_has_gone_and_the_icon_cannot_close(caplog):
-    controller, icon = Controller(), StuckIcon()
-    loop = threading.Thread(target=update_loop, daemon=True, args=(
-        icon, controller, threading.Event(), TrayView(controller), 0.2))  # type: ignore
-    loop.start()
-    loop.join(10)
-    icon.release.set()
-    assert not loop.is_alive(), "the update loop waited for ever on the icon's stop"
-    assert "did not close within" in caplog.text
-
-
-def test_an_error_closing_the_icon_is_raised_where_it_is_asked():
-    class Failing(Icon):
-        def stop(self) -> None:
-            raise RuntimeError("no display")
-
-    with pytest.raises(RuntimeError, match="no display"):
-        stop_icon(Failing(), 5)
-    assert stop_icon(Icon(), 5) is True
 
 
 def test_open_dashboard_is_the_default_action_and_use_it_from_your_app_follows(monkeypatch):
