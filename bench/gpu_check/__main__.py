@@ -139,6 +139,14 @@ def finish(check: Check) -> int:
     return code
 
 
+def ask_only(check: Check, only: frozenset[str] | None) -> None:
+    """Make ``check`` a rerun of the steps ``only`` (from ``selected``), recorded in its
+    JSON; None: the whole check."""
+    check.steps.only = only
+    if only is not None:
+        check.report["only"] = sorted(only, key=STEPS.index)
+
+
 def main() -> int:
     # First of all: a segfault or a hang in C code (an import included) leaves a traceback.
     faulthandler.enable()
@@ -174,9 +182,7 @@ def main() -> int:
               "mode writes elsewhere (--out)", file=sys.stderr)
         return 2
     check = Check(args)
-    check.steps.only = only
-    if only is not None:
-        check.report["only"] = sorted(only, key=STEPS.index)
+    ask_only(check, only)
     return run(check)
 
 

@@ -23,8 +23,8 @@ import pytest
 from cuda_device_standin import StandInDevice
 from cuda_standin import GiB, MiB, install_gpu
 
-from bench.gpu_check.__main__ import run
-from bench.gpu_check.plan import STEPS, Plan, selected
+from bench.gpu_check.__main__ import ask_only, run
+from bench.gpu_check.plan import Plan, selected
 from bench.gpu_check.state import Check
 
 # Small batches on the CPU, a latency target no CPU misses (so a busy machine tries the same
@@ -47,9 +47,7 @@ def main() -> int:
                               max_batch_size=None, seconds=None, budget_s=None, out=given.out,
                               only=given.only, prepare=None)
     check = Check(args, gpu_plan=STANDIN_PLAN)
-    if given.only:  # as bench.gpu_check's own --only
-        check.steps.only = selected(given.only)
-        check.report["only"] = sorted(check.steps.only, key=STEPS.index)
+    ask_only(check, selected(given.only) if given.only else None)
     try:
         return run(check)
     finally:
