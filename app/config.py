@@ -223,8 +223,7 @@ class Settings(BaseSettings):
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto", description="How the models compute: fp32; bf16 or fp16 (faster on a GPU "
         "that has them, scores about 0.005 apart); auto: fp32 until a measurement on "
-        "the GPU says otherwise, and on the CPU each model as a frozen graph where "
-        "warmup measures it faster with the same answers (fp32 turns that off).")
+        "the GPU says otherwise.")
     channels_last: bool = Field(False, description="Store images and convolution weights "
                                 "in the channels-last layout (faster for some models on "
                                 "some GPUs and CPUs; results equal to within rounding).")

@@ -2,25 +2,19 @@
 
 No HTTP, no queue: what the model and the image pipeline can do on this
 machine at the best batch size. A server cannot beat it by much; the ratio
-to it says how much the serving layer costs. ``forward`` is what runs the batch:
-the module as loaded, or (``limit_forward``) its frozen graph where vramguard on
-this CPU would serve one (``app.models.cpu_graph``), so that the limit is the fastest
-forward pass, not the slower of the two.
+to it says how much the serving layer costs.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from app.imaging.decoding import open_image
 from app.imaging.pixels import model_input
-from app.models import LoadedModel, cpu_graph
-
-Forward = Callable[[torch.Tensor], torch.Tensor]
+from app.models import LoadedModel
 
 
 @dataclass(frozen=True)
@@ -29,27 +23,16 @@ class OfflineResult:
     images_per_second: float
 
 
-def limit_forward(model: LoadedModel) -> tuple[Forward, str]:
-    """The fastest forward pass vramguard could serve ``model`` with on the CPU: its
-    frozen graph where one can be built and agrees, else the module; and its name."""
-    spec = model.preprocessing
-    graph = cpu_graph.build(model.module, cpu_graph.check_inputs(
-        spec.channels, spec.crop, torch.float32, torch.contiguous_format), model.task,
-        model.name)
-    return (model.module, "module") if graph is None else (graph, "frozen graph")
-
-
 def offline_throughput(model: LoadedModel, image: bytes, batch_size: int,
-                       seconds: float, forward: Forward | None = None) -> OfflineResult:
+                       seconds: float) -> OfflineResult:
     """Images per second for ``seconds`` of decode+preprocess+forward at ``batch_size``."""
     spec = model.preprocessing
-    run = model.module if forward is None else forward
 
     def one_batch() -> None:
         pixels = [torch.from_numpy(model_input(open_image(image, 40_000_000, spec.resize), spec))
                   for _ in range(batch_size)]
         with torch.inference_mode():
-            run(torch.stack(pixels)).softmax(-1).topk(min(5, model.num_classes))
+            model.module(torch.stack(pixels)).softmax(-1).topk(min(5, model.num_classes))
 
     one_batch()
     done, started = 0, time.perf_counter()
@@ -60,8 +43,7 @@ def offline_throughput(model: LoadedModel, image: bytes, batch_size: int,
 
 
 def offline_limit(model: LoadedModel, image: bytes, sizes: tuple[int, ...] = (1, 2, 4, 8),
-                  seconds: float = 5.0, forward: Forward | None = None
-                  ) -> tuple[OfflineResult, list[OfflineResult]]:
+                  seconds: float = 5.0) -> tuple[OfflineResult, list[OfflineResult]]:
     """The best throughput over ``sizes``, and every measurement."""
-    results = [offline_throughput(model, image, size, seconds, forward) for size in sizes]
+    results = [offline_throughput(model, image, size, seconds) for size in sizes]
     return max(results, key=lambda r: r.images_per_second), results

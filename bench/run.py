@@ -31,7 +31,7 @@ import torch
 
 from app.models import DEFAULT_MODEL, load_model
 from bench.loadgen import LoadResult, run_load, tree_pss
-from bench.offline import limit_forward, offline_limit
+from bench.offline import offline_limit
 from bench.process import ROOT, free_port, running, server_env
 
 IMAGE = ROOT / "tests" / "data" / "coffee.jpg"
@@ -129,11 +129,8 @@ def main() -> int:
 
     print(f"machine: {machine()}", flush=True)
     model = load_model(DEFAULT_MODEL, torch.device("cpu"))
-    forward, forward_name = limit_forward(model)
-    print(f"in-process limit: the model's {forward_name}", flush=True)
     offline_seconds = min(args.seconds / 3, 5)
-    best, offline_all = offline_limit(model, IMAGE.read_bytes(), seconds=offline_seconds,
-                                      forward=forward)
+    best, offline_all = offline_limit(model, IMAGE.read_bytes(), seconds=offline_seconds)
 
     ours_port, naive_port = free_port(), free_port()
     ours, naive = f"http://127.0.0.1:{ours_port}", f"http://127.0.0.1:{naive_port}"
@@ -158,8 +155,7 @@ def main() -> int:
     with running([*serve, "--port", str(ours_port), "--no-cache", "--idle-release-s", "1"],
                  f"{ours}/readyz", work / "idle.log", env):
         warm_ms, after_release_ms = _idle_release_latency(ours)
-    best_after, offline_after = offline_limit(model, IMAGE.read_bytes(), seconds=offline_seconds,
-                                              forward=forward)
+    best_after, offline_after = offline_limit(model, IMAGE.read_bytes(), seconds=offline_seconds)
     if best_after.images_per_second > best.images_per_second:
         best, offline_all = best_after, offline_after
     for r in offline_all:

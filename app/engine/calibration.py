@@ -12,7 +12,6 @@ never an unmeasured size, and ``app.engine.profiling`` measures the rest between
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import time
@@ -20,7 +19,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from app.config import Settings
 from app.engine.batch_size import AdaptiveBatchSize
@@ -50,14 +48,13 @@ from app.memory.fit import fit_linear
 from app.memory.guard import MemoryGuard
 from app.memory.probes import Probe
 from app.memory.trim import give_back_to_os
-from app.models import LoadedModel, cpu_graph
+from app.models import LoadedModel
 from app.models.own.trial import folder_bytes
 from app.models.precision import resolve
 from app.models.registry import fingerprint
 
 log = logging.getLogger("vramguard.engine")
 MEMORY_PROFILE_SIZES = 4  # batch sizes 1, 2, 4, 8 (as far as warmup went)
-GRAPH_GAIN = 1.05  # a frozen graph serves only where it is at least this much faster
 Measured = tuple[WarmupTimings, list[tuple[int, int]], int]  # timings, memory points, size
 
 
@@ -66,10 +63,8 @@ class Calibration:
 
     def __init__(self, settings: Settings, models: LoadedModels, profiles: ProfileStore,
                  clock: Clock, locate: Callable[[str, Path | None], Path],
-                 format_of: Callable[[str], str],
-                 graph_speedup: cpu_graph.Speedup = cpu_graph.speedup) -> None:
+                 format_of: Callable[[str], str]) -> None:
         self.settings = settings
-        self._graph_speedup = graph_speedup  # how much faster a model's graph runs
         self._locate = locate  # a model's weights file, or an own model's folder
         self._format_of = format_of  # a model's format (its family for a built-in)
         self.models = models
@@ -129,14 +124,13 @@ class Calibration:
         (None when measured). ``first_only``: measure batch size 1 only (the runtime's
         ``profile_complete`` is False). OutOfMemoryAtWarmup when the device ran out."""
         models, settings = self.models, self.settings
+        predictor = Predictor(model, keep_all=settings.cache)
+        size = weights_bytes(model)
+        probe = models.the_probe()
+        models.set_weights(models.weights_total() + size)
         key = self.profile_key(model.name, model.weights_version)
         stored = self.profiles.get(key)
         reused = stored if stored is not None and not stored.out_of_memory_on_load else None
-        model, graph = self._graph(model, reused, first_only)
-        predictor = Predictor(model, keep_all=settings.cache, graph=graph)
-        size = weights_bytes(model) * (2 if graph is not None else 1)  # the graph's copy
-        probe = models.the_probe()
-        models.set_weights(models.weights_total() + size)
         ooms = probe.allocator_ooms()
         try:
             if reused is not None:
@@ -145,7 +139,7 @@ class Calibration:
                 warmup, points, chosen = self._measure_first(predictor, probe, started)
             else:
                 warmup, points, chosen = run_through(self.measure_steps(predictor, probe))
-                self.store(key, size, warmup, points, chosen, graph is not None)
+                self.store(key, size, warmup, points, chosen)
         except Exception as exc:
             models.set_weights(models.weights_total())
             if isinstance(exc, OutOfMemoryAtWarmup):
@@ -180,48 +174,14 @@ class Calibration:
                        profile_complete=reused is not None or not first_only), reused
 
     def store(self, key: ProfileKey, weights: int, warmup: WarmupTimings,
-              points: list[tuple[int, int]], chosen: int, graph: bool) -> None:
+              points: list[tuple[int, int]], chosen: int) -> None:
         """Keep a whole measurement for the next load. One made short of memory (another
         program, a model not unloaded yet) is kept so marked: the next load measures
         again."""
         self.profiles.put(ModelProfile(
             key, weights, fit_linear(points), points, warmup.timings, chosen,
             warmup.out_of_memory_at,
-            out_of_memory_on_load=warmup.out_of_memory_at is not None, graph=graph))
-
-    def _graph(self, model: LoadedModel, reused: ModelProfile | None, first_only: bool
-               ) -> tuple[LoadedModel, nn.Module | None]:
-        """The model as it will run, and its frozen graph where it runs one: where its
-        numerics allow one (``auto`` on the CPU), the graph answers as the module does
-        (checked at every build), and it is at least ``GRAPH_GAIN`` times as fast: timed
-        here when measuring (at one image for a load while serving, else at
-        ``cpu_graph.CHECK_IMAGES``), the stored profile's answer when reusing it."""
-        numerics = model.numerics
-        if not numerics.graph:
-            return model, None
-        as_module = dataclasses.replace(model, numerics=dataclasses.replace(numerics,
-                                                                            graph=False))
-        if reused is not None and not reused.graph:
-            return as_module, None
-        spec = model.preprocessing
-        inputs = cpu_graph.check_inputs(spec.channels, spec.crop, numerics.dtype,
-                                        numerics.layout)
-        graph = cpu_graph.build(model.module, inputs, model.task, model.name)
-        if graph is None:
-            return as_module, None
-        if reused is None:
-            gain = self._graph_speedup(model.module, graph,
-                                       inputs[:1] if first_only else inputs)
-            if gain < GRAPH_GAIN:
-                log.info("%s runs as it is: as a frozen graph it was %.2fx as fast", model.name,
-                         gain)
-                return as_module, None
-            log.info("%s runs as a frozen graph: %.2fx as fast, the same answers", model.name,
-                     gain)
-        else:
-            log.info("%s runs as a frozen graph (its stored profile found it faster)",
-                     model.name)
-        return model, graph
+            out_of_memory_on_load=warmup.out_of_memory_at is not None))
 
     def adaptive(self, warmup: WarmupTimings, points: list[tuple[int, int]], chosen: int
                  ) -> AdaptiveBatchSize | None:
@@ -325,8 +285,7 @@ class Calibration:
         runtime.probe.empty_cache()
         self.profiles.put(ModelProfile(key, runtime.memory.weights_bytes, fit_linear(points),
                                        points, warmup.timings, chosen,
-                                       warmup.out_of_memory_at,
-                                       graph=runtime.predictor.graph is not None))
+                                       warmup.out_of_memory_at))
         log.info("%s: profile measured again (the stored one was over 30 days old)", name)
 
 

@@ -64,8 +64,7 @@ from app.errors import InsufficientMemory, NotFound
 from app.memory.allocations import LargeAllocationWatch
 from app.memory.probes import MemoryReading, Probe, make_probe
 from app.memory.sharing import SharingFactory, gpu_sharing
-from app.models import LoadedModel, cpu_graph
-from app.models.cpu_graph import Speedup
+from app.models import LoadedModel
 from app.models.own.store import OwnModels
 from app.models.precision import choose
 from app.models.sources import ModelSources, is_builtin
@@ -88,8 +87,7 @@ class InferenceEngine:
     def __init__(self, settings: Settings, *, probe_factory: ProbeFactory = make_probe,
                  model_loader: ModelLoader | None = None, clock: Clock = time.monotonic,
                  sources: ModelSources | None = None,
-                 sharing: SharingFactory = gpu_sharing,
-                 graph_speedup: Speedup = cpu_graph.speedup) -> None:
+                 sharing: SharingFactory = gpu_sharing) -> None:
         self.settings = settings
         self.sources = sources or ModelSources(OwnModels(
             settings.models_dir, timeout_s=settings.model_check_timeout_s, reserved=is_builtin))
@@ -109,8 +107,7 @@ class InferenceEngine:
         self.models = LoadedModels(settings, self.device, probe_factory, sharing)
         self.profiles = ProfileStore(settings.profile_dir)
         self.calibration = Calibration(settings, self.models, self.profiles, clock,
-                                       self.sources.weights_path, self.sources.format_of,
-                                       graph_speedup)
+                                       self.sources.weights_path, self.sources.format_of)
         allocations = LargeAllocationWatch(int(settings.large_allocation_bytes))
         self.reports = MemoryReports(self.models, allocations, self.cpu_instead_of_gpu)
         # Each step looked up at each call: a test or the GPU check may wrap it.
@@ -330,7 +327,7 @@ class InferenceEngine:
         settings = self.settings
         numerics = choose(settings.precision, settings.channels_last, self.device,
                           model.family, name)
-        if numerics.storage != model.numerics.storage:
+        if numerics != model.numerics:
             numerics.module(model.module)
             log.info("%s runs in %s", name, numerics.label)
         if self.device != model.device:

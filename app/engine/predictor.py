@@ -129,16 +129,12 @@ class Predictor:
 
     With ``keep_all`` (the result cache is on) every class is ranked so that a
     cached answer can serve any later ``top_k``; otherwise only the largest
-    ``top_k`` of the batch leaves the device. With a ``graph`` (the model frozen, see
-    ``app.models.cpu_graph``) the graph runs every batch but one that asks for a
-    classifier's features, which runs the module (the features are hooked on it).
+    ``top_k`` of the batch leaves the device.
     """
 
-    def __init__(self, model: LoadedModel, keep_all: bool,
-                 graph: torch.nn.Module | None = None) -> None:
+    def __init__(self, model: LoadedModel, keep_all: bool) -> None:
         self.model = model
         self.keep_all = keep_all
-        self.graph = graph
         # cuDNN's autotuner off, explicitly (torch's default, but any import could flip
         # it): with it on, the first batch of every new size tries each convolution
         # algorithm, allocating each one's workspace, and keeps the fastest whatever its
@@ -165,10 +161,9 @@ class Predictor:
         batch = model.numerics.batch(batch)  # on the device: the copy stays fp32 pixels
         size = len(samples)
         embedded: list[np.ndarray | None] = [None] * size
-        forward = model.module if self.graph is None else self.graph
         with torch.inference_mode():
             if model.task == EMBED:  # the model's output is its features
-                out = torch.nn.functional.normalize(forward(batch).float(), dim=-1)
+                out = torch.nn.functional.normalize(model.module(batch).float(), dim=-1)
                 vectors = out.cpu().numpy()
                 empty = Ranked(np.zeros(0, np.int64), np.zeros(0, np.float32))
                 return [Prediction(empty, size, vectors[i]) for i in range(size)]
@@ -180,7 +175,7 @@ class Predictor:
                 embedded = [rows[i] if s.task == EMBED else None
                             for i, s in enumerate(samples)]
             else:
-                logits = forward(batch)
+                logits = model.module(batch)
             logits = logits.float()
             probs = logits.sigmoid() if model.task == MULTILABEL else logits.softmax(dim=-1)
             scores, indices = probs.topk(k, dim=-1)

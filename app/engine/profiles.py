@@ -99,7 +99,6 @@ class ModelProfile:
     out_of_memory_at: int | None = None
     measured_at: float = field(default_factory=time.time)
     out_of_memory_on_load: bool = False
-    graph: bool = False  # warmup found the frozen graph faster (app.models.cpu_graph)
 
     @property
     def stale(self) -> bool:
@@ -122,7 +121,7 @@ class ModelProfile:
             "timings": [[t.batch_size, t.seconds] for t in self.timings],
             "chosen_batch_size": self.chosen_batch_size,
             "out_of_memory_at": self.out_of_memory_at, "measured_at": self.measured_at,
-            "out_of_memory_on_load": self.out_of_memory_on_load, "graph": self.graph,
+            "out_of_memory_on_load": self.out_of_memory_on_load,
         }
 
     @classmethod
@@ -145,8 +144,7 @@ class ModelProfile:
             chosen_batch_size=_count(data["chosen_batch_size"]),
             out_of_memory_at=None if oom_at is None else _count(oom_at),
             measured_at=_seconds(data["measured_at"]),
-            out_of_memory_on_load=data["out_of_memory_on_load"] is True,
-            graph=data.get("graph") is True)
+            out_of_memory_on_load=data["out_of_memory_on_load"] is True)
 
 
 def _pairs(value: Any) -> list[tuple[Any, Any]]:

@@ -97,8 +97,7 @@ class BackgroundProfiles:
         give_back_to_os()  # the largest batch measured would stay resident on the host
         model, memory = runtime.model, runtime.memory
         self.calibration.store(self.calibration.profile_key(model.name, model.weights_version),
-                               memory.weights_bytes, warmup, points, chosen,
-                               runtime.predictor.graph is not None)
+                               memory.weights_bytes, warmup, points, chosen)
         fit = fit_linear(points)
         others = [r.footprint for n, r in self.models.runtimes.items() if n != name]
         sizes = [size for size, _ in points if size <= chosen]

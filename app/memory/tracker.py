@@ -48,15 +48,9 @@ class LiveTensorTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # 
         return out
 
     def _track(self, tensor: torch.Tensor) -> None:
-        if tensor.is_mkldnn:
-            # oneDNN's own layout (a CPU graph's intermediates, app.models.cpu_graph) has
-            # no storage to ask: its bytes are its elements', its lifetime the tensor's
-            self._count(tensor, -id(tensor), tensor.numel() * tensor.element_size())
-            return
         storage = tensor.untyped_storage()
-        self._count(storage, storage.data_ptr(), storage.nbytes())
-
-    def _count(self, owner: object, key: int, size: int) -> None:
+        size = storage.nbytes()
+        key = storage.data_ptr()
         if size == 0 or key in self._storages:
             return
         with self._lock:
@@ -67,7 +61,7 @@ class LiveTensorTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # 
             self._storages[key] = size
             self.live += size
             self.peak = max(self.peak, self.live)
-        weakref.finalize(owner, self._free, key, size)
+        weakref.finalize(storage, self._free, key, size)
 
     def _free(self, key: int, size: int) -> None:
         with self._lock:

@@ -6,9 +6,7 @@ The rule: ``auto`` means fp32 until a measurement says otherwise (the GPU check'
 that precision; the scores are computed in fp32 from the model's output. channels_last
 stores convolution weights and images as NHWC, the layout cuDNN and oneDNN work in, and
 the one for which torch sends depthwise convolutions (EfficientNet-Lite's) to cuDNN in
-fp32 too. On the CPU ``auto`` also tries the model as a frozen graph (``graph``,
-``app.models.cpu_graph``): fp32 numbers, kept only where warmup finds it faster and
-answering as the module does; ``fp32`` runs the module as it is.
+fp32 too.
 
 They apply to the models vramguard builds as PyTorch modules: the built-in ones, timm,
 torchvision, ONNX (converted by onnx2torch) and the Hugging Face formats. A TorchScript or
@@ -40,7 +38,6 @@ class Numerics:
 
     precision: str = "fp32"  # a key of DTYPES
     channels_last: bool = False
-    graph: bool = False  # runs as a frozen graph where it pays (resolve), or does (a load)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -52,15 +49,8 @@ class Numerics:
 
     @property
     def label(self) -> str:
-        """'fp32', 'bf16 channels_last', 'fp32 graph': in the result cache's key, the
-        profile's and the log."""
-        return (self.precision + (" channels_last" if self.channels_last else "")
-                + (" graph" if self.graph else ""))
-
-    @property
-    def storage(self) -> tuple[torch.dtype, torch.memory_format]:
-        """What the weights are converted to (a graph is built from them afterwards)."""
-        return self.dtype, self.layout
+        """'fp32', 'bf16 channels_last': in the result cache's key and the log."""
+        return self.precision + (" channels_last" if self.channels_last else "")
 
     def module(self, module: nn.Module) -> nn.Module:
         """``module`` converted in place (weights and buffers)."""
@@ -89,16 +79,14 @@ def resolve(precision: Precision, channels_last: bool, device: torch.device,
             family: str) -> Numerics:
     """What a model of format ``family`` runs in on ``device`` under these settings: also
     the profile's key, known before the model loads, so a measurement is reused exactly
-    where the model would run the same way (``auto`` and ``fp32`` alike on a GPU; on the
-    CPU ``auto`` may run a frozen graph, whether it does is the profile's to say; ``bf16``
-    on a CPU without it is fp32)."""
+    where the model would run the same way (``auto`` and ``fp32`` alike; ``bf16`` on a CPU
+    without it is fp32)."""
     if family in AS_SAVED:
         return FP32
     chosen = "fp32" if precision == "auto" else precision
     if device.type == "cpu" and chosen == "bf16" and not cpu_has_bf16():
         chosen = "fp32"
-    graph = device.type == "cpu" and precision == "auto"
-    return Numerics(chosen, channels_last, graph)
+    return Numerics(chosen, channels_last)
 
 
 def choose(precision: Precision, channels_last: bool, device: torch.device, family: str,

@@ -25,7 +25,7 @@ from app.engine.predictor import Predictor, Sample, numerics
 from app.imaging.decoding import open_image
 from app.imaging.pixels import model_input
 from app.models import LoadedModel
-from app.models.precision import FP32, Numerics, choose, cpu_has_bf16, resolve
+from app.models.precision import FP32, Numerics, choose, cpu_has_bf16
 from app.models.registry import load_model
 
 PHOTOS = ("coffee.jpg", "chelsea.jpg")
@@ -84,11 +84,7 @@ def test_bf16_halves_the_weights(tmp_path):
 
 
 def test_auto_is_fp32_until_measured(tmp_path):
-    """fp32 numbers; on the CPU, a frozen graph where warmup finds one faster
-    (tests/unit/engine/test_cpu_graph.py)."""
-    numerics = engine_with(tmp_path).load().numerics
-    assert numerics.storage == FP32.storage and numerics == Numerics("fp32", graph=True)
-    assert engine_with(tmp_path, precision="fp32").load().numerics == FP32
+    assert engine_with(tmp_path).load().numerics == FP32
 
 
 def test_a_saved_program_runs_as_it_was_saved_and_the_log_says_so(caplog):
@@ -101,21 +97,19 @@ def test_a_saved_program_runs_as_it_was_saved_and_the_log_says_so(caplog):
 
 
 def test_the_result_cache_and_the_profile_key_tell_the_numerics_apart(tmp_path):
-    """Both are keyed by what the model runs in, not by the words of the settings: bf16
-    on a CPU without it is the fp32 one; on the CPU auto may run a frozen graph, so its
-    measurement is not fp32's (on a GPU they share one)."""
+    """Both are keyed by what the model runs in, not by the words of the settings: auto
+    and fp32 share a measurement, and bf16 on a CPU without it is the fp32 one."""
     cpu = torch.device("cpu")
     keys = {numerics(cpu, n) for n in (FP32, Numerics("fp32", True), Numerics("bf16"),
-                                       Numerics("fp16"), Numerics("fp32", graph=True))}
-    assert len(keys) == 5 and numerics(cpu) == "cpu"
+                                       Numerics("fp16"))}
+    assert len(keys) == 4 and numerics(cpu) == "cpu"
 
     def key(precision: str, channels_last: bool = False) -> str:
         return engine_with(tmp_path, precision=precision, channels_last=channels_last
                            ).calibration.profile_key("efficientnet_lite0", "v1").file_name()
 
-    assert key("auto") != key("fp32") != key("fp32", True) != key("fp16")
+    assert key("auto") == key("fp32") != key("fp32", True) != key("fp16")
     assert (key("bf16") != key("fp32")) == cpu_has_bf16()
-    assert resolve("auto", False, torch.device("cuda"), "timm") == FP32
 
 
 def test_bf16_weights_agree_with_fp32_even_where_the_cpu_emulates_them(tmp_path,
